@@ -1,0 +1,1 @@
+"""attestmesh composition root: CLI, settings, metrics registry."""
