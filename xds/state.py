@@ -1,0 +1,239 @@
+"""Mesh state and its transitions: registration, attestation, quarantine, release. Pure.
+
+Every transition returns a new immutable ``MeshState`` plus the ``Event``s it caused; the
+control plane persists the new state before it announces anything (xDS push, Kubernetes).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from certs.errors import AttestmeshError
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"  # registered or released; no certificate may be used yet
+    ATTESTED = "attested"
+    QUARANTINED = "quarantined"
+
+
+class Trigger(enum.StrEnum):
+    VERIFICATION_FAILED = "verification_failed"
+    APPRAISAL_FAILED = "appraisal_failed"
+    DEADLINE_MISSED = "deadline_missed"
+    POLICY_CHANGED = "policy_changed"
+    TCB_REVOKED = "tcb_revoked"
+    OPERATOR = "operator"
+
+
+class QuarantinedError(AttestmeshError):
+    """The workload is quarantined: no certificate is issued to it."""
+
+
+class UnknownWorkloadError(AttestmeshError):
+    """No registration exists for this workload."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    address: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """Static facts about a workload: who it is and where its sidecar listens.
+
+    ``name`` is unique and is its Envoy node id. ``outbound`` maps the services it calls to the
+    local port of its Envoy's outbound listener for that service.
+    """
+
+    name: str
+    namespace: str
+    service_account: str
+    service: str
+    inbound: Endpoint
+    app_port: int
+    outbound: Mapping[str, int] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    token_sha256: str | None = None
+
+    def spiffe_id(self, trust_domain: str) -> str:
+        return spiffe_id(trust_domain, self.namespace, self.service_account)
+
+
+def spiffe_id(trust_domain: str, namespace: str, service_account: str) -> str:
+    return f"spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"
+
+
+@dataclass(frozen=True, slots=True)
+class AttestationRecord:
+    tee: str
+    measurements: Mapping[str, str]
+    policy: str
+    evidence_sha256: str
+    at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedCert:
+    serial: int
+    not_after: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineRecord:
+    trigger: Trigger
+    reason: str
+    at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Revocation:
+    serial: int
+    not_after: datetime
+    revoked_at: datetime
+    workload: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadState:
+    registration: Registration
+    status: Status = Status.PENDING
+    attestation: AttestationRecord | None = None
+    next_attestation_due: datetime | None = None
+    certificates: tuple[IssuedCert, ...] = ()
+    quarantine: QuarantineRecord | None = None
+
+
+class EventKind(enum.StrEnum):
+    REGISTERED = "registered"
+    ATTESTED = "attested"
+    QUARANTINED = "quarantined"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: EventKind
+    workload: str
+    at: datetime
+    reason: str = ""
+    trigger: Trigger | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MeshState:
+    trust_domain: str
+    workloads: Mapping[str, WorkloadState] = field(default_factory=dict)
+    revocations: tuple[Revocation, ...] = ()
+
+    def get(self, name: str) -> WorkloadState:
+        try:
+            return self.workloads[name]
+        except KeyError:
+            raise UnknownWorkloadError("unknown_identity", f"no workload {name!r}") from None
+
+    def attested(self) -> list[WorkloadState]:
+        return [w for w in self.workloads.values() if w.status is Status.ATTESTED]
+
+    def revoked_serials(self) -> frozenset[int]:
+        return frozenset(r.serial for r in self.revocations)
+
+
+def _with(state: MeshState, w: WorkloadState) -> MeshState:
+    return replace(state, workloads={**state.workloads, w.registration.name: w})
+
+
+def register(state: MeshState, reg: Registration, now: datetime) -> tuple[MeshState, list[Event]]:
+    """Add or update a registration; status, certificates and quarantine are kept."""
+    current = state.workloads.get(reg.name)
+    if current is not None:
+        if current.registration == reg:
+            return state, []
+        return _with(state, replace(current, registration=reg)), []
+    return _with(state, WorkloadState(reg)), [Event(EventKind.REGISTERED, reg.name, now)]
+
+
+def ensure_may_issue(state: MeshState, name: str) -> WorkloadState:
+    """Raise unless a certificate may be issued to this workload."""
+    w = state.get(name)
+    if w.status is Status.QUARANTINED:
+        reason = w.quarantine.reason if w.quarantine else ""
+        raise QuarantinedError("quarantined", f"{name} is quarantined: {reason}")
+    return w
+
+
+def record_attestation(
+    state: MeshState,
+    name: str,
+    record: AttestationRecord,
+    cert: IssuedCert,
+    due: datetime,
+    now: datetime,
+) -> tuple[MeshState, list[Event]]:
+    """A fresh successful attestation issued ``cert``; re-attestation is due at ``due``."""
+    w = ensure_may_issue(state, name)
+    live = tuple(c for c in w.certificates if c.not_after > now) + (cert,)
+    new = replace(
+        w,
+        status=Status.ATTESTED,
+        attestation=record,
+        next_attestation_due=due,
+        certificates=live,
+        quarantine=None,
+    )
+    return _with(state, new), [Event(EventKind.ATTESTED, name, now, record.policy)]
+
+
+def quarantine(
+    state: MeshState, name: str, trigger: Trigger, reason: str, now: datetime
+) -> tuple[MeshState, list[Event]]:
+    """Quarantine: every live certificate is revoked, status blocks further issuance.
+
+    Idempotent: quarantining a quarantined workload changes nothing.
+    """
+    w = state.get(name)
+    if w.status is Status.QUARANTINED:
+        return state, []
+    revoked = tuple(
+        Revocation(c.serial, c.not_after, now, name) for c in w.certificates if c.not_after > now
+    )
+    new = replace(
+        w,
+        status=Status.QUARANTINED,
+        certificates=(),
+        next_attestation_due=None,
+        quarantine=QuarantineRecord(trigger, reason, now),
+    )
+    state = replace(_with(state, new), revocations=state.revocations + revoked)
+    return state, [Event(EventKind.QUARANTINED, name, now, reason, trigger)]
+
+
+def release(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list[Event]]:
+    """Operator release: back to PENDING; certificates flow only after a fresh attestation."""
+    w = state.get(name)
+    if w.status is not Status.QUARANTINED:
+        return state, []
+    new = replace(w, status=Status.PENDING, quarantine=None, attestation=None)
+    return _with(state, new), [Event(EventKind.RELEASED, name, now)]
+
+
+def overdue(state: MeshState, now: datetime) -> list[str]:
+    """Attested workloads whose re-attestation deadline has passed."""
+    return sorted(
+        w.registration.name
+        for w in state.workloads.values()
+        if w.status is Status.ATTESTED
+        and w.next_attestation_due is not None
+        and w.next_attestation_due <= now
+    )
+
+
+def prune_revocations(state: MeshState, now: datetime) -> MeshState:
+    """Drop revocations of certificates that have expired anyway (they need no CRL entry)."""
+    kept = tuple(r for r in state.revocations if r.not_after > now)
+    return state if len(kept) == len(state.revocations) else replace(state, revocations=kept)
