@@ -1,0 +1,62 @@
+"""The metrics registry: one object, created in main() and passed down. Bounded labels only."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.attestations = Counter(
+            "attestmesh_attestations_total",
+            "Attestation attempts by TEE, result and reason",
+            ["tee", "result", "reason"],
+            registry=r,
+        )
+        self.api_rejections = Counter(
+            "attestmesh_api_rejections_total",
+            "Issuance API requests refused, by endpoint and reason",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.issuance_seconds = Histogram(
+            "attestmesh_issuance_seconds",
+            "Time from attest request to signed certificate",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.certificates_issued = Counter(
+            "attestmesh_certificates_issued_total", "Leaf certificates issued", registry=r
+        )
+        self.xds_streams = Gauge(
+            "attestmesh_xds_streams", "Connected xDS streams", registry=r
+        )
+        self.xds_push_ack_seconds = Histogram(
+            "attestmesh_xds_push_ack_seconds",
+            "Time from sending an xDS response to its ACK, by type",
+            ["type"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.xds_nacks = Counter(
+            "attestmesh_xds_nacks_total", "xDS responses rejected by Envoy", ["type"], registry=r
+        )
+        self.quarantined = Gauge(
+            "attestmesh_quarantined_workloads", "Workloads currently quarantined", registry=r
+        )
+        self.quarantine_events = Counter(
+            "attestmesh_quarantine_events_total",
+            "Quarantine decisions by trigger",
+            ["trigger"],
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            "attestmesh_policy_reloads_total",
+            "Policy reloads by result",
+            ["result"],
+            registry=r,
+        )
