@@ -1,0 +1,362 @@
+"""The control plane service: holds mesh state and applies transitions.
+
+Every transition is persisted (``StateStore.save``) before it is announced (``Publisher``:
+xDS snapshots; Kubernetes actions), metrics follow. Time and randomness are injected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from attestmesh.metrics import Metrics
+from certs.ca import CertificateAuthority, build_leaf, encode_claims_extension
+from certs.errors import AttestmeshError, PolicyError
+from certs.evidence.claims import Claims, Collateral, Tee, Verifier
+from certs.issuance import AttestRequest, EvidenceRejected, decide, verify_request
+from certs.nonces import NonceBook
+from certs.policy import (
+    DEFAULT_REATTESTATION,
+    AttestationPolicy,
+    Rejected,
+    appraise_all,
+    parse_policies,
+    policies_for,
+)
+from xds.meshpolicy import MeshPolicy
+from xds.state import (
+    AttestationRecord,
+    Event,
+    IssuedCert,
+    MeshState,
+    Registration,
+    Status,
+    Trigger,
+    ensure_may_issue,
+    overdue,
+    prune_revocations,
+    quarantine,
+    record_attestation,
+    register,
+    release,
+)
+from xds.store import StateStore
+
+log = logging.getLogger(__name__)
+CRL_VALIDITY = timedelta(hours=24)
+
+
+class IdentityError(AttestmeshError):
+    """The caller could not prove it is the workload it claims to be."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrustMaterial:
+    bundle_pem: bytes
+    crl_pem: bytes
+
+
+class Publisher(Protocol):
+    """Announces a persisted state: xDS snapshots, Kubernetes actions."""
+
+    def publish(
+        self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial
+    ) -> None: ...
+
+    def on_events(self, state: MeshState, events: Sequence[Event]) -> None: ...
+
+
+class IdentityCheck(Protocol):
+    async def check(self, reg: Registration, token: str | None) -> None: ...
+
+
+class CollateralSource(Protocol):
+    async def collateral_for(
+        self, evidence: bytes, supplied: Collateral, now: datetime
+    ) -> dict[str, bytes]: ...
+
+
+class RegistrationTokenCheck:
+    """Local mode: a registration entry may carry the SHA-256 of a join token."""
+
+    async def check(self, reg: Registration, token: str | None) -> None:
+        if reg.token_sha256 is None:
+            return
+        got = hashlib.sha256((token or "").encode()).hexdigest()
+        if not hmac.compare_digest(got, reg.token_sha256):
+            raise IdentityError("identity_invalid", f"bad registration token for {reg.name}")
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    chain_pem: bytes
+    bundle_pem: bytes
+    serial: int
+    not_after: datetime
+    renew_after: datetime
+    reattest_by: datetime
+    spiffe_id: str
+    claims: Claims
+
+
+Clock = Callable[[], datetime]
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        *,
+        state: MeshState,
+        store: StateStore,
+        ca: CertificateAuthority,
+        verifiers: Mapping[Tee, Verifier],
+        policies: Sequence[AttestationPolicy],
+        mesh_policies: Sequence[MeshPolicy],
+        metrics: Metrics,
+        publisher: Publisher,
+        clock: Clock,
+        serials: Callable[[], int],
+        random_bytes: Callable[[int], bytes],
+        identity: IdentityCheck | None = None,
+        collateral_sources: Mapping[Tee, CollateralSource] | None = None,
+    ) -> None:
+        self._state = state
+        self._store = store
+        self._ca = ca
+        self._verifiers = dict(verifiers)
+        self._policies = tuple(policies)
+        self._mesh_policies = tuple(mesh_policies)
+        self._metrics = metrics
+        self._publisher = publisher
+        self._clock = clock
+        self._serials = serials
+        self._random = random_bytes
+        self._identity = identity or RegistrationTokenCheck()
+        self._collateral = dict(collateral_sources or {})
+        self._nonces = NonceBook()
+        self._claims: dict[str, Claims] = {}
+        self._crl_at: datetime | None = None
+        self._trust = self._build_trust(clock())
+        self._update_gauges()
+
+    # -- reads --------------------------------------------------------------------------------
+    @property
+    def state(self) -> MeshState:
+        return self._state
+
+    @property
+    def trust(self) -> TrustMaterial:
+        return self._trust
+
+    @property
+    def mesh_policies(self) -> tuple[MeshPolicy, ...]:
+        return self._mesh_policies
+
+    @property
+    def ca(self) -> CertificateAuthority:
+        return self._ca
+
+    # -- transitions --------------------------------------------------------------------------
+    def _apply(self, new: MeshState, events: Sequence[Event], *, trust_changed: bool) -> None:
+        now = self._clock()
+        new = prune_revocations(new, now)
+        self._store.save(self._state, new, events)  # durable before announced
+        old_revoked = self._state.revoked_serials()
+        self._state = new
+        if trust_changed or new.revoked_serials() != old_revoked:
+            self._trust = self._build_trust(now)
+        self._update_gauges()
+        self._publisher.publish(new, self._mesh_policies, self._trust)
+        if events:
+            self._publisher.on_events(new, events)
+
+    def _build_trust(self, now: datetime) -> TrustMaterial:
+        revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
+        self._crl_at = now
+        return TrustMaterial(self._ca.bundle_pem, self._ca.crl_pem(revoked, now, CRL_VALIDITY))
+
+    def _update_gauges(self) -> None:
+        count = sum(w.status is Status.QUARANTINED for w in self._state.workloads.values())
+        self._metrics.quarantined.set(count)
+
+    def publish_all(self) -> None:
+        """Announce the current state (at startup, after loading it)."""
+        self._publisher.publish(self._state, self._mesh_policies, self._trust)
+
+    def register(self, regs: Sequence[Registration]) -> None:
+        now = self._clock()
+        state, events = self._state, []
+        for reg in regs:
+            state, ev = register(state, reg, now)
+            events += ev
+        self._apply(state, events, trust_changed=False)
+
+    def challenge(self) -> tuple[bytes, datetime]:
+        nonce = self._random(32)
+        return nonce, self._nonces.issue(nonce, self._clock())
+
+    async def attest(self, req: AttestRequest, token: str | None) -> Issued:
+        """Verify, appraise and issue. A failed re-attestation of an attested workload
+        quarantines it; request errors (identity, nonce, CSR) never do."""
+        started = time.perf_counter()
+        now = self._clock()
+        w = self._state.get(req.workload)
+        await self._identity.check(w.registration, token)
+        self._nonces.consume(req.nonce, now)
+        ensure_may_issue(self._state, req.workload)
+        try:
+            collateral = await self._collateral_for(req, now)
+            verified = verify_request(
+                req if collateral is None else _with_collateral(req, collateral),
+                self._verifiers,
+                now,
+            )
+            governing = policies_for(
+                self._policies,
+                w.registration.namespace,
+                w.registration.service_account,
+                w.registration.labels,
+            )
+            admitted = decide(verified, governing, now)
+        except EvidenceRejected as exc:
+            self._metrics.attestations.labels(exc.tee, "rejected", exc.reason).inc()
+            if w.status is Status.ATTESTED:
+                self.quarantine(req.workload, _trigger_for(exc), "; ".join(exc.reasons))
+            raise
+        ttl = admitted.certificate_ttl
+        interval = min((p.reattestation_interval for p in governing), default=DEFAULT_REATTESTATION)
+        serial = self._serials()
+        spiffe = w.registration.spiffe_id(self._state.trust_domain)
+        leaf = build_leaf(
+            verified.csr,
+            spiffe_id=spiffe,
+            claims_extension=encode_claims_extension(admitted.claims, admitted.policy, now),
+            issuer=self._ca.intermediate,
+            serial=serial,
+            now=now,
+            ttl=ttl,
+        )
+        not_after = leaf.not_valid_after_utc
+        due = min(now + interval, not_after)
+        record = AttestationRecord(
+            tee=admitted.claims.tee.value,
+            measurements=dict(admitted.claims.measurements),
+            policy=admitted.policy,
+            evidence_sha256=admitted.claims.evidence_sha256,
+            at=now,
+        )
+        state, events = record_attestation(
+            self._state, req.workload, record, IssuedCert(serial, not_after), due, now
+        )
+        self._claims[req.workload] = admitted.claims
+        self._apply(state, events, trust_changed=False)
+        self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
+        self._metrics.certificates_issued.inc()
+        self._metrics.issuance_seconds.observe(time.perf_counter() - started)
+        return Issued(
+            chain_pem=self._ca.chain_pem(leaf),
+            bundle_pem=self._ca.bundle_pem,
+            serial=serial,
+            not_after=not_after,
+            renew_after=now + (not_after - now) / 2,
+            reattest_by=due,
+            spiffe_id=spiffe,
+            claims=admitted.claims,
+        )
+
+    async def _collateral_for(self, req: AttestRequest, now: datetime) -> dict[str, bytes] | None:
+        try:
+            source = self._collateral.get(Tee(req.tee))
+        except ValueError:
+            return None
+        if source is None:
+            return None
+        try:
+            return await source.collateral_for(req.evidence, req.collateral, now)
+        except AttestmeshError as exc:
+            raise EvidenceRejected(exc.reason, exc.detail, req.tee) from exc
+
+    def quarantine(self, name: str, trigger: Trigger, reason: str) -> bool:
+        state, events = quarantine(self._state, name, trigger, reason, self._clock())
+        if not events:
+            return False
+        self._claims.pop(name, None)
+        self._metrics.quarantine_events.labels(trigger.value).inc()
+        self._apply(state, events, trust_changed=False)
+        log.warning("quarantined %s (%s): %s", name, trigger, reason)
+        return True
+
+    def release(self, name: str) -> bool:
+        state, events = release(self._state, name, self._clock())
+        if events:
+            self._apply(state, events, trust_changed=False)
+        return bool(events)
+
+    def check_deadlines(self) -> list[str]:
+        """Quarantine attested workloads that missed their re-attestation deadline; refresh
+        the CRL before it goes stale."""
+        now = self._clock()
+        late = overdue(self._state, now)
+        for name in late:
+            self.quarantine(name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed")
+        if self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2:
+            self._trust = self._build_trust(now)
+            self._publisher.publish(self._state, self._mesh_policies, self._trust)
+        return late
+
+    def set_policies(self, docs: Sequence[object]) -> tuple[AttestationPolicy, ...]:
+        """Replace the attestation policies; invalid documents leave the previous ones in force.
+        Running workloads whose last claims the new policy no longer admits are quarantined."""
+        try:
+            policies = parse_policies(list(docs))
+        except PolicyError:
+            self._metrics.policy_reloads.labels("invalid").inc()
+            raise
+        self._policies = policies
+        self._metrics.policy_reloads.labels("ok").inc()
+        now = self._clock()
+        for name, claims in list(self._claims.items()):
+            reg = self._state.get(name).registration
+            governing = policies_for(policies, reg.namespace, reg.service_account, reg.labels)
+            decision = appraise_all(claims, governing, now)
+            if isinstance(decision, Rejected):
+                self.quarantine(name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons))
+        return policies
+
+    def set_mesh_policies(self, policies: Sequence[MeshPolicy]) -> None:
+        self._mesh_policies = tuple(policies)
+        self._publisher.publish(self._state, self._mesh_policies, self._trust)
+
+    def events(self, workload: str | None = None) -> list[Event]:
+        return self._store.events(workload)
+
+
+def _with_collateral(req: AttestRequest, collateral: Mapping[str, bytes]) -> AttestRequest:
+    return AttestRequest(req.workload, req.tee, req.evidence, req.csr_pem, req.nonce, collateral)
+
+
+def _trigger_for(exc: EvidenceRejected) -> Trigger:
+    appraisal = {
+        "tee_not_allowed",
+        "debug_not_allowed",
+        "measurement_not_allowed",
+        "measurement_missing",
+        "tcb_below_minimum",
+        "platform_not_allowed",
+        "svn_below_minimum",
+        "product_id_mismatch",
+        "tcb_status_not_accepted",
+        "advisories_not_allowed",
+        "migration_agent_not_allowed",
+        "smt_not_allowed",
+        "no_policy",
+    }
+    if exc.reason == "revoked":
+        return Trigger.TCB_REVOKED
+    return Trigger.APPRAISAL_FAILED if exc.reason in appraisal else Trigger.VERIFICATION_FAILED
