@@ -133,13 +133,13 @@ def parse_attestation_document(evidence: bytes) -> NitroDocument:
     if isinstance(outer, cbor2.CBORTag):
         if outer.tag != COSE_TAG:
             raise EvidenceFormatError("cose_invalid", f"unexpected CBOR tag {outer.tag}")
-        outer = outer.value
-    if not isinstance(outer, list) or len(outer) != 4:
+        outer = outer.value  # cbor2 hands tagged arrays over as tuples
+    if not isinstance(outer, list | tuple) or len(outer) != 4:
         raise EvidenceFormatError("cose_invalid", "COSE_Sign1 must be an array of 4")
     protected, unprotected, payload, signature = outer
     if not isinstance(protected, bytes) or not isinstance(payload, bytes):
         raise EvidenceFormatError("cose_invalid", "protected header and payload must be bytes")
-    if not isinstance(unprotected, dict) or not isinstance(signature, bytes):
+    if not isinstance(unprotected, Mapping) or not isinstance(signature, bytes):
         raise EvidenceFormatError("cose_invalid", "unprotected must be a map, signature bytes")
     header = _decode(protected, "protected header", max_depth=2) if protected else {}
     if not isinstance(header, dict):
