@@ -43,7 +43,7 @@ import struct
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, Generic, TypeVar
@@ -724,29 +724,38 @@ class SevSnpVerifier:
         _check_window(window, now)
 
         tcb = decode_tcb(report.reported_tcb, product)
-        self._check_tcb(tcb, leaf, product)
-        if leaf.key is SigningKey.VCEK:
-            hwid = report.chip_id[:8] if product is Product.TURIN else report.chip_id
-            if leaf.hwid is None or not hmac.compare_digest(leaf.hwid, hwid):
-                raise EvidenceVerificationError(
-                    "chip_id_mismatch", "VCEK hwID does not equal the report's chip_id"
-                )
-        self._check_signature(report, leaf)
+        # The signature comes first: fields of a report that does not verify mean nothing.
+        # When it fails, the detail says whether the certificate looks like the wrong one.
+        self._check_signature(report, leaf, lambda: self._mismatch_hint(report, tcb, leaf))
+        problem = self._mismatch_hint(report, tcb, leaf)
+        if problem is not None:
+            raise EvidenceVerificationError(*problem)
         return self._claims(evidence, report, hcl, product, tcb)
 
     @staticmethod
-    def _check_tcb(tcb: TcbVersion, leaf: _Endorsement, product: Product) -> None:
-        want = tcb.as_claims()
-        for name, value in want.items():
+    def _mismatch_hint(
+        report: AttestationReport, tcb: TcbVersion, leaf: _Endorsement
+    ) -> tuple[str, str] | None:
+        """The first disagreement between the certificate and the report, if any."""
+        for name, value in tcb.as_claims().items():
             have = leaf.spl.get(name)
             if have != value:
-                raise EvidenceVerificationError(
+                return (
                     "tcb_mismatch",
-                    f"{leaf.key.upper()} {name} SPL {have} != reported_tcb {value} ({product})",
+                    f"{leaf.key.upper()} {name} SPL {have} != reported_tcb {value}",
                 )
+        if leaf.key is SigningKey.VCEK:
+            hwid = report.chip_id[:8] if tcb.fmc is not None else report.chip_id
+            if leaf.hwid is None or not hmac.compare_digest(leaf.hwid, hwid):
+                return ("chip_id_mismatch", "VCEK hwID does not equal the report's chip_id")
+        return None
 
     @staticmethod
-    def _check_signature(report: AttestationReport, leaf: _Endorsement) -> None:
+    def _check_signature(
+        report: AttestationReport,
+        leaf: _Endorsement,
+        hint: Callable[[], tuple[str, str] | None],
+    ) -> None:
         r_le, s_le = report.signature_r, report.signature_s
         # Components are 48 bytes zero-extended to 72; anything else is not a P-384 signature.
         if any(r_le[_P384_ORDER_BYTES:]) or any(s_le[_P384_ORDER_BYTES:]):
@@ -760,8 +769,10 @@ class SevSnpVerifier:
                 encode_dss_signature(r, s), report.signed, ec.ECDSA(hashes.SHA384())
             )
         except InvalidSignature:
+            why = hint()
+            extra = f" (and {why[0]}: {why[1]}; wrong certificate?)" if why else ""
             raise EvidenceVerificationError(
-                "signature_invalid", "report signature does not verify"
+                "signature_invalid", f"report signature does not verify{extra}"
             ) from None
 
     @staticmethod
