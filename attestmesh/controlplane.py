@@ -19,7 +19,13 @@ from attestmesh.metrics import Metrics
 from certs.ca import CertificateAuthority, build_leaf, encode_claims_extension
 from certs.errors import AttestmeshError, PolicyError
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
-from certs.issuance import AttestRequest, EvidenceRejected, decide, verify_request
+from certs.issuance import (
+    AttestRequest,
+    EvidenceRejected,
+    IdentityError,
+    decide,
+    verify_request,
+)
 from certs.nonces import NonceBook
 from certs.policy import (
     DEFAULT_REATTESTATION,
@@ -50,10 +56,6 @@ from xds.store import StateStore
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
-
-
-class IdentityError(AttestmeshError):
-    """The caller could not prove it is the workload it claims to be."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +163,15 @@ class ControlPlane:
     @property
     def ca(self) -> CertificateAuthority:
         return self._ca
+
+    def status_of(self, workload: str) -> Status:
+        return self._state.get(workload).status
+
+    def trust_json(self) -> dict[str, str]:
+        return {
+            "trust_bundle": self._trust.bundle_pem.decode(),
+            "crl": self._trust.crl_pem.decode(),
+        }
 
     # -- transitions --------------------------------------------------------------------------
     def _apply(self, new: MeshState, events: Sequence[Event], *, trust_changed: bool) -> None:

@@ -19,6 +19,10 @@ from certs.evidence.claims import Claims, Tee, Verifier
 from certs.policy import Admitted, AttestationPolicy, Rejected, appraise_all
 
 
+class IdentityError(AttestmeshError):
+    """The caller could not prove it is the workload it claims to be."""
+
+
 class EvidenceRejected(AttestmeshError):
     """The workload's own evidence failed: verification, key binding or policy.
 

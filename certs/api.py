@@ -1,0 +1,148 @@
+"""The attestation API over HTTPS (aiohttp): challenge, attest, renew. Thin: it translates
+JSON to ``AttestRequest`` and errors to HTTP, and delegates to the control plane."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from attestmesh.metrics import Metrics
+from certs.ca import CsrError
+from certs.errors import AttestmeshError
+from certs.issuance import AttestRequest, EvidenceRejected, IdentityError
+from certs.nonces import NonceError
+from xds.state import QuarantinedError, Status, UnknownWorkloadError
+
+MAX_BODY = 1 << 20
+MAX_COLLATERAL_ITEMS = 16
+
+
+class Issuing(Protocol):
+    """What the API needs from the control plane."""
+
+    def challenge(self) -> tuple[bytes, Any]: ...
+
+    async def attest(self, req: AttestRequest, token: str | None) -> Any: ...
+
+    def status_of(self, workload: str) -> Status: ...
+
+    def trust_json(self) -> dict[str, str]: ...
+
+
+class RequestError(AttestmeshError):
+    """The request itself is malformed."""
+
+
+def _http_status(exc: AttestmeshError) -> int:
+    if isinstance(exc, RequestError | CsrError | NonceError):
+        return 400
+    if isinstance(exc, IdentityError):
+        return 401
+    if isinstance(exc, UnknownWorkloadError):
+        return 404
+    if isinstance(exc, EvidenceRejected | QuarantinedError):
+        return 403
+    if exc.reason == "not_attested":
+        return 409
+    return 400
+
+
+def _b64(body: dict[str, Any], key: str, *, required: bool = True) -> bytes:
+    value = body.get(key)
+    if value is None and not required:
+        return b""
+    if not isinstance(value, str):
+        raise RequestError("request_malformed", f"{key} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError("request_malformed", f"{key} is not valid base64") from None
+
+
+def parse_attest_body(body: Any) -> AttestRequest:
+    if not isinstance(body, dict):
+        raise RequestError("request_malformed", "body must be a JSON object")
+    for key in ("workload", "tee", "csr"):
+        if not isinstance(body.get(key), str) or not body[key]:
+            raise RequestError("request_malformed", f"{key} must be a non-empty string")
+    collateral_raw = body.get("collateral", {})
+    if not isinstance(collateral_raw, dict) or len(collateral_raw) > MAX_COLLATERAL_ITEMS:
+        raise RequestError("request_malformed", "collateral must map names to base64 strings")
+    collateral = {str(k): _b64(collateral_raw, k) for k in collateral_raw}
+    return AttestRequest(
+        workload=body["workload"],
+        tee=body["tee"],
+        evidence=_b64(body, "evidence"),
+        csr_pem=body["csr"].encode(),
+        nonce=_b64(body, "nonce"),
+        collateral=collateral,
+    )
+
+
+def issued_json(issued: Any) -> dict[str, Any]:
+    return {
+        "certificate_chain": issued.chain_pem.decode(),
+        "trust_bundle": issued.bundle_pem.decode(),
+        "serial": str(issued.serial),
+        "spiffe_id": issued.spiffe_id,
+        "not_after": issued.not_after.isoformat(),
+        "renew_after": issued.renew_after.isoformat(),
+        "reattest_by": issued.reattest_by.isoformat(),
+    }
+
+
+def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
+    def guarded(
+        endpoint: str, handler: Callable[[web.Request], Awaitable[web.Response]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def wrapper(request: web.Request) -> web.Response:
+            try:
+                return await handler(request)
+            except AttestmeshError as exc:
+                metrics.api_rejections.labels(endpoint, exc.reason).inc()
+                return web.json_response(
+                    {"error": exc.reason, "detail": exc.detail}, status=_http_status(exc)
+                )
+
+        return wrapper
+
+    async def read_json(request: web.Request) -> Any:
+        try:
+            return await request.json(loads=json.loads)
+        except (ValueError, UnicodeDecodeError):
+            raise RequestError("request_malformed", "body is not JSON") from None
+
+    async def challenge(request: web.Request) -> web.Response:
+        nonce, expires = cp.challenge()
+        return web.json_response(
+            {"nonce": base64.b64encode(nonce).decode(), "expires_at": expires.isoformat()}
+        )
+
+    def token_of(request: web.Request) -> str | None:
+        auth = request.headers.get("Authorization", "")
+        return auth[7:] if auth.startswith("Bearer ") else None
+
+    async def attest(request: web.Request) -> web.Response:
+        req = parse_attest_body(await read_json(request))
+        return web.json_response(issued_json(await cp.attest(req, token_of(request))))
+
+    async def renew(request: web.Request) -> web.Response:
+        req = parse_attest_body(await read_json(request))
+        if cp.status_of(req.workload) is not Status.ATTESTED:
+            raise AttestmeshError("not_attested", "renewal needs an attested workload; attest")
+        return web.json_response(issued_json(await cp.attest(req, token_of(request))))
+
+    async def trust(request: web.Request) -> web.Response:
+        return web.json_response(cp.trust_json())
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post("/v1/challenge", guarded("challenge", challenge))
+    app.router.add_post("/v1/attest", guarded("attest", attest))
+    app.router.add_post("/v1/renew", guarded("renew", renew))
+    app.router.add_get("/v1/trust", guarded("trust", trust))
+    return app
