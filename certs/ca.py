@@ -7,6 +7,7 @@ serial numbers come in as arguments. ``CertificateAuthority.load_or_create`` is 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -351,3 +352,36 @@ class CertificateAuthority:
         )
         _write_private(paths["root.pem"], root_cert.public_bytes(serialization.Encoding.PEM))
         return cls(root_cert, Issuer(inter_cert, inter_key), trust_domain)
+
+
+def build_server_cert(
+    ca: CertificateAuthority,
+    key: ec.EllipticCurvePrivateKey,
+    *,
+    spiffe_id: str,
+    dns_names: Iterable[str],
+    ips: Iterable[str],
+    serial: int,
+    now: datetime,
+    ttl: timedelta,
+) -> x509.Certificate:
+    """The control plane's own serving certificate (attestation API, xDS) from the mesh CA."""
+    not_before, not_after = leaf_validity(now, ttl, ca.intermediate.cert.not_valid_after_utc)
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_id)]
+    names += [x509.DNSName(d) for d in dns_names]
+    names += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+    return (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "attestmesh control plane")])
+        )
+        .issuer_name(ca.intermediate.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(serial)
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca.intermediate.key, hashes.SHA256())
+    )

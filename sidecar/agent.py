@@ -1,0 +1,208 @@
+"""The agent: key -> challenge -> evidence -> CSR -> certificate -> renew / re-attest.
+
+Runs inside the workload's trust boundary. Every attestation makes a fresh P-256 key that never
+leaves this process except to the local Envoy over the SDS Unix socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import ssl
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import aiohttp
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from certs.binding import expected_report_data
+from certs.errors import AttestmeshError
+from certs.evidence import sim
+
+log = logging.getLogger(__name__)
+
+
+class AgentError(AttestmeshError):
+    """The control plane refused, or could not be reached."""
+
+    def __init__(self, reason: str, detail: str = "", status: int = 0) -> None:
+        super().__init__(reason, detail)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    tee: str
+    evidence: bytes
+    collateral: Mapping[str, bytes] = field(default_factory=dict)
+
+
+class EvidenceSource(Protocol):
+    """A TEE evidence collector: binds ``report_data`` into fresh hardware evidence."""
+
+    def collect(self, report_data: bytes, *, nonce: bytes, spki: bytes) -> Evidence: ...
+
+
+class CertSink(Protocol):
+    def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None: ...
+
+
+class SimEvidenceSource:
+    """The simulated TEE's 'hardware': signs reports with the simulated platform key.
+
+    ``measurement`` can be changed to model a tampered image."""
+
+    def __init__(self, platform_key: ec.EllipticCurvePrivateKey, measurement: bytes) -> None:
+        self._key = platform_key
+        self.measurement = measurement
+
+    def collect(self, report_data: bytes, *, nonce: bytes, spki: bytes) -> Evidence:
+        report = sim.build_report(self._key, report_data=report_data, measurement=self.measurement)
+        return Evidence("sim", report)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentCertificate:
+    chain_pem: bytes
+    key_pem: bytes
+    serial: int
+    spiffe_id: str
+    not_after: datetime
+    renew_after: datetime
+    reattest_by: datetime
+
+
+def build_csr(key: ec.EllipticCurvePrivateKey) -> bytes:
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def next_attestation_at(cert: AgentCertificate, now: datetime) -> datetime:
+    """Renew at about half the TTL, and re-attest well before the deadline."""
+    return now + min(cert.renew_after - now, (cert.reattest_by - now) / 2)
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        url: str,
+        workload: str,
+        source: EvidenceSource,
+        sink: CertSink,
+        ssl_context: ssl.SSLContext,
+        token: Callable[[], str | None] = lambda: None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._url = url.rstrip("/")
+        self._workload = workload
+        self._source = source
+        self._sink = sink
+        self._ssl = ssl_context
+        self._token = token
+        self._clock = clock
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.current: AgentCertificate | None = None
+        self.attest_now = asyncio.Event()
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, body: Any) -> Any:
+        headers = {}
+        token = self._token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        try:
+            async with session.post(
+                self._url + path, json=body, ssl=self._ssl, headers=headers, timeout=self._timeout
+            ) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise AgentError(
+                        str(data.get("error", "http_error")),
+                        str(data.get("detail", "")),
+                        resp.status,
+                    )
+                return data
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise AgentError("control_plane_unreachable", repr(exc)) from exc
+
+    async def attest_once(self, session: aiohttp.ClientSession) -> AgentCertificate:
+        """One full attestation: a fresh key, fresh evidence, a new certificate."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        spki = key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        challenge = await self._post(session, "/v1/challenge", {})
+        nonce = base64.b64decode(challenge["nonce"])
+        evidence = self._source.collect(expected_report_data(nonce, spki), nonce=nonce, spki=spki)
+        body = {
+            "workload": self._workload,
+            "tee": evidence.tee,
+            "evidence": base64.b64encode(evidence.evidence).decode(),
+            "collateral": {k: base64.b64encode(v).decode() for k, v in evidence.collateral.items()},
+            "csr": build_csr(key).decode(),
+            "nonce": challenge["nonce"],
+        }
+        path = "/v1/renew" if self.current is not None else "/v1/attest"
+        data = await self._post(session, path, body)
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        cert = AgentCertificate(
+            chain_pem=data["certificate_chain"].encode(),
+            key_pem=key_pem,
+            serial=int(data["serial"]),
+            spiffe_id=data["spiffe_id"],
+            not_after=datetime.fromisoformat(data["not_after"]),
+            renew_after=datetime.fromisoformat(data["renew_after"]),
+            reattest_by=datetime.fromisoformat(data["reattest_by"]),
+        )
+        self._sink.update(cert.chain_pem, cert.key_pem)
+        self.current = cert
+        return cert
+
+    async def run(self, stop: asyncio.Event, retry_s: float = 1.0) -> None:
+        """Attest, then renew/re-attest on schedule until ``stop``; retry with backoff."""
+        backoff = retry_s
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                try:
+                    cert = await self.attest_once(session)
+                    backoff = retry_s
+                    wait = (
+                        next_attestation_at(cert, self._clock()) - self._clock()
+                    ).total_seconds()
+                    log.info(
+                        "%s attested as %s, next in %.1fs", self._workload, cert.spiffe_id, wait
+                    )
+                except AgentError as exc:
+                    log.warning("%s attestation failed: %s", self._workload, exc)
+                    wait, backoff = backoff, min(backoff * 2, 30.0)
+                    if exc.reason == "not_attested":
+                        self.current = None
+                await _wait_any(stop, self.attest_now, max(wait, 0.0))
+                self.attest_now.clear()
+
+
+async def _wait_any(a: asyncio.Event, b: asyncio.Event, seconds: float) -> None:
+    tasks = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def client_ssl_context(bundle_pem: bytes) -> ssl.SSLContext:
+    return ssl.create_default_context(cadata=bundle_pem.decode())
