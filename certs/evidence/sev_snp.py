@@ -72,11 +72,13 @@ __all__ = [
     "SigningKey",
     "TcbVersion",
     "decode_tcb",
+    "load_amd_certificate",
     "looks_like",
     "parse_amd_chain",
     "parse_evidence",
     "parse_report",
     "product_from_cpuid",
+    "product_of_certificate",
 ]
 
 REPORT_SIZE: Final = 0x4A0
@@ -370,7 +372,7 @@ def product_from_cpuid(cpuid: tuple[int, int, int] | None) -> Product | None:
 # certificates
 
 
-def _load_cert(data: bytes) -> x509.Certificate:
+def load_amd_certificate(data: bytes) -> x509.Certificate:
     """Load one DER or PEM certificate; EvidenceFormatError on anything else.
 
     AMD issues VCEK/VLEK certificates with serial number 0, which ``cryptography`` accepts with a
@@ -440,6 +442,12 @@ def _product_of_name(text: str | None) -> Product | None:
         return None
 
 
+def product_of_certificate(data: bytes) -> Product | None:
+    """The product a VCEK/VLEK names in its productName extension (None: absent/unknown)."""
+    cert = load_amd_certificate(data)
+    return _product_of_name(_der_ia5(_ext_raw(cert, _OID_PRODUCT_NAME)))
+
+
 @dataclass(frozen=True, slots=True)
 class AmdChain:
     """One pinned AMD chain: ARK (root) and ASK (VCEK issuer) or ASVK (VLEK issuer)."""
@@ -497,7 +505,7 @@ class _Endorsement:
 
 
 def _parse_endorsement(data: bytes) -> _Endorsement:
-    cert = _load_cert(data)
+    cert = load_amd_certificate(data)
     cn = _cn(cert.subject)
     if cn == "SEV-VCEK":
         key = SigningKey.VCEK
