@@ -365,7 +365,11 @@ def make_pki(*, intermediate_ca: bool | None = True) -> Pki:
 
 
 def sign_document(
-    pki: Pki, *, user_data: bytes | None, tag: bool = False, **extra: object
+    pki: Pki,
+    *,
+    user_data: bytes | None,
+    tag: bool = False,
+    extra: dict[str, object] | None = None,
 ) -> bytes:
     payload = {
         "module_id": "i-0123-enc0456",
@@ -377,7 +381,7 @@ def sign_document(
         "public_key": None,
         "user_data": user_data,
         "nonce": None,
-        **extra,
+        **(extra or {}),
     }
     protected = cbor2.dumps({1: -35})
     body = cbor2.dumps(payload)
@@ -442,7 +446,7 @@ def test_leaf_from_another_issuer_breaks_the_chain() -> None:
 def test_payload_field_rules(extra: dict[str, object], reason: str) -> None:
     pki = make_pki()
     with pytest.raises(EvidenceFormatError) as err:
-        parse_attestation_document(sign_document(pki, user_data=None, **extra))
+        parse_attestation_document(sign_document(pki, user_data=None, extra=extra))
     assert err.value.reason == reason
 
 
