@@ -35,6 +35,7 @@ from certs.policy import (
     parse_policies,
     policies_for,
 )
+from xds.build import TrustMaterial
 from xds.meshpolicy import MeshPolicy
 from xds.state import (
     AttestationRecord,
@@ -56,12 +57,6 @@ from xds.store import StateStore
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
-
-
-@dataclass(frozen=True, slots=True)
-class TrustMaterial:
-    bundle_pem: bytes
-    crl_pem: bytes
 
 
 class Publisher(Protocol):

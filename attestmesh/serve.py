@@ -1,0 +1,321 @@
+"""Composition of the control plane: settings -> CA, store, verifiers, policies, servers.
+
+Everything here is wiring; behaviour lives in the packages it composes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from grpclib.server import Server
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from attestmesh.controlplane import ControlPlane
+from attestmesh.metrics import Metrics
+from certs import api
+from certs.ca import CertificateAuthority, build_server_cert
+from certs.collateral.roots import load_roots
+from certs.errors import AttestmeshError, PolicyError
+from certs.evidence.registry import build_verifiers
+from certs.evidence.sim import load_platform_public_key
+from certs.policy import parse_policies
+from xds.build import BuildSettings, Packer, TrustMaterial, build_snapshots
+from xds.cache import SnapshotCache
+from xds.meshpolicy import MeshPolicy, parse_mesh_policies
+from xds.registrations import parse_registrations
+from xds.server import AdsServer, warm
+from xds.state import Event, MeshState, Trigger
+from xds.store import SqliteStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneSettings:
+    state_dir: Path
+    policy_file: Path
+    trust_domain: str = "attestmesh.local"
+    host: str = "127.0.0.1"
+    api_port: int = 8443
+    xds_port: int = 18000
+    ops_port: int = 9090
+    mesh_policy_file: Path | None = None
+    registrations_file: Path | None = None
+    sim_platform_keys: tuple[Path, ...] = ()
+    roots_dir: Path | None = None
+    deadline_check: timedelta = timedelta(seconds=1)
+    policy_poll: timedelta = timedelta(seconds=2)
+    server_names: tuple[str, ...] = field(default=("localhost",))
+
+
+def load_yaml_docs(path: Path) -> list[Any]:
+    try:
+        return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except (OSError, yaml.YAMLError) as exc:
+        raise PolicyError([f"{path}: {exc}"]) from None
+
+
+class XdsPublisher:
+    """Announces state as per-node xDS snapshots; resources are packed once and shared."""
+
+    def __init__(self, cache: SnapshotCache, settings: BuildSettings | None = None) -> None:
+        self._cache = cache
+        self._settings = settings or BuildSettings()
+        self._packer = Packer()
+        self.events: list[Event] = []
+
+    def publish(
+        self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial
+    ) -> None:
+        snapshots = build_snapshots(state, mesh_policies, trust, self._settings, self._packer)
+        self._cache.set_snapshots(snapshots)
+
+    def on_events(self, state: MeshState, events: Sequence[Event]) -> None:
+        for e in events:
+            log.info("event %s %s %s", e.kind, e.workload, e.reason)
+        self.events.extend(events)
+
+
+def _server_tls(
+    ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
+) -> ssl.SSLContext:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = build_server_cert(
+        ca,
+        key,
+        spiffe_id=f"spiffe://{settings.trust_domain}/ns/attestmesh-system/sa/controlplane",
+        dns_names=settings.server_names,
+        ips=("127.0.0.1",),
+        serial=x509.random_serial_number(),
+        now=now,
+        ttl=timedelta(hours=24),
+    )
+    cert_path = settings.state_dir / "tls" / "server.pem"
+    key_path = settings.state_dir / "tls" / "server.key"
+    cert_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cert_path.write_bytes(ca.chain_pem(cert))
+    key_path.touch(mode=0o600)
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert_path, key_path)
+    return ctx
+
+
+def build_control_plane(
+    settings: ControlPlaneSettings, metrics: Metrics, cache: SnapshotCache
+) -> tuple[ControlPlane, XdsPublisher, SqliteStore]:
+    now = datetime.now(UTC)
+    ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
+    store = SqliteStore(settings.state_dir / "state.sqlite3")
+    state = store.load(settings.trust_domain)
+    sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
+    verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
+    policies = parse_policies(load_yaml_docs(settings.policy_file))
+    mesh_policies = (
+        parse_mesh_policies(load_yaml_docs(settings.mesh_policy_file))
+        if settings.mesh_policy_file
+        else ()
+    )
+    publisher = XdsPublisher(cache)
+    cp = ControlPlane(
+        state=state,
+        store=store,
+        ca=ca,
+        verifiers=verifiers,
+        policies=policies,
+        mesh_policies=mesh_policies,
+        metrics=metrics,
+        publisher=publisher,
+        clock=lambda: datetime.now(UTC),
+        serials=x509.random_serial_number,
+        random_bytes=secrets.token_bytes,
+    )
+    if settings.registrations_file:
+        docs = load_yaml_docs(settings.registrations_file)
+        cp.register(parse_registrations(docs[0] if docs else {}))
+    cp.publish_all()
+    return cp, publisher, store
+
+
+def build_ops_app(cp: ControlPlane, metrics: Metrics) -> web.Application:
+    """Loopback-only operations endpoint: metrics, health, quarantine administration."""
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def workload_json(name: str) -> dict[str, Any]:
+        w = cp.state.get(name)
+        q = w.quarantine
+        return {
+            "name": name,
+            "spiffe_id": w.registration.spiffe_id(cp.state.trust_domain),
+            "status": w.status.value,
+            "quarantine": None
+            if q is None
+            else {"trigger": q.trigger.value, "reason": q.reason, "at": q.at.isoformat()},
+            "next_attestation_due": w.next_attestation_due.isoformat()
+            if w.next_attestation_due
+            else None,
+        }
+
+    async def workloads(request: web.Request) -> web.Response:
+        only = request.query.get("status")
+        items = [workload_json(n) for n in sorted(cp.state.workloads)]
+        return web.json_response([i for i in items if only is None or i["status"] == only])
+
+    def known(name: str) -> None:
+        if name not in cp.state.workloads:
+            raise web.HTTPNotFound(
+                text=f'{{"error": "unknown_identity", "detail": "no workload {name}"}}',
+                content_type="application/json",
+            )
+
+    async def quarantine(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        known(name)
+        body = await request.json() if request.can_read_body else {}
+        reason = str(body.get("reason", "operator command")) if isinstance(body, dict) else ""
+        changed = cp.quarantine(name, Trigger.OPERATOR, reason or "operator command")
+        return web.json_response({"changed": changed, **workload_json(name)})
+
+    async def release(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        known(name)
+        changed = cp.release(name)
+        return web.json_response({"changed": changed, **workload_json(name)})
+
+    async def events(request: web.Request) -> web.Response:
+        return web.json_response(
+            [
+                {
+                    "at": e.at.isoformat(),
+                    "kind": e.kind.value,
+                    "workload": e.workload,
+                    "trigger": e.trigger.value if e.trigger else None,
+                    "reason": e.reason,
+                }
+                for e in cp.events(request.query.get("workload"))
+            ]
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", healthz)
+    app.router.add_get("/v1/admin/workloads", workloads)
+    app.router.add_post("/v1/admin/workloads/{name}/quarantine", quarantine)
+    app.router.add_post("/v1/admin/workloads/{name}/release", release)
+    app.router.add_get("/v1/admin/events", events)
+    return app
+
+
+async def _policy_watch(
+    cp: ControlPlane, settings: ControlPlaneSettings, stop: asyncio.Event
+) -> None:
+    path = settings.policy_file
+    last = path.stat().st_mtime_ns
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), settings.policy_poll.total_seconds())
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            continue
+        if mtime == last:
+            continue
+        last = mtime
+        try:
+            cp.set_policies(load_yaml_docs(path))
+            log.info("reloaded attestation policy from %s", path)
+        except PolicyError as exc:
+            log.error(
+                "refused invalid policy %s; previous policy stays:\n  %s",
+                path,
+                "\n  ".join(exc.problems),
+            )
+
+
+async def _deadlines(cp: ControlPlane, settings: ControlPlaneSettings, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), settings.deadline_check.total_seconds())
+        cp.check_deadlines()
+
+
+@dataclass
+class Running:
+    cp: ControlPlane
+    publisher: XdsPublisher
+    metrics: Metrics
+    bundle_pem: bytes
+
+
+async def run_control_plane(
+    settings: ControlPlaneSettings,
+    stop: asyncio.Event,
+    ready: asyncio.Future[Running] | None = None,
+    metrics: Metrics | None = None,
+) -> None:
+    """Run until ``stop`` is set: attestation API (HTTPS), ADS (gRPC), ops (HTTP, loopback)."""
+    metrics = metrics or Metrics()
+    warm()
+    cache = SnapshotCache()
+    cp, publisher, store = build_control_plane(settings, metrics, cache)
+    tls = _server_tls(cp.ca, settings, datetime.now(UTC))
+    api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
+    ops_runner = web.AppRunner(build_ops_app(cp, metrics), access_log=None)
+    grpc = Server([AdsServer(cache, metrics)])
+    try:
+        await api_runner.setup()
+        await ops_runner.setup()
+        await web.TCPSite(api_runner, settings.host, settings.api_port, ssl_context=tls).start()
+        await web.TCPSite(ops_runner, "127.0.0.1", settings.ops_port).start()
+        await grpc.start(settings.host, settings.xds_port)
+        log.info(
+            "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
+            settings.host,
+            settings.api_port,
+            settings.host,
+            settings.xds_port,
+            settings.ops_port,
+        )
+        if ready is not None:
+            ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_deadlines(cp, settings, stop))
+            tg.create_task(_policy_watch(cp, settings, stop))
+    except AttestmeshError as exc:
+        if ready is not None and not ready.done():
+            ready.set_exception(exc)
+        raise
+    finally:
+        grpc.close()
+        await grpc.wait_closed()
+        await api_runner.cleanup()
+        await ops_runner.cleanup()
+        store.close()
