@@ -1,0 +1,97 @@
+"""The Envoy bootstrap for a sidecar: admin, the control plane (ADS) and the local SDS. Pure.
+
+Everything else (listeners, clusters, routes, endpoints, the trust bundle) arrives over ADS;
+the workload certificate arrives from the sidecar's own SDS socket.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xds.resources import SDS_CLUSTER, XDS_CLUSTER
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneAddress:
+    host: str
+    port: int
+
+
+def _http2_options() -> dict[str, Any]:
+    # gRPC needs HTTP/2 upstream; without it the ADS stream fails with status 14, silently at
+    # info log level.
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+
+
+def _static_cluster(name: str, address: dict[str, Any], connect_timeout_s: float) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": f"{connect_timeout_s}s",
+        "typed_extension_protocol_options": _http2_options(),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+        },
+    }
+
+
+def build_bootstrap(
+    node: str,
+    xds: ControlPlaneAddress,
+    sds_socket: Path,
+    admin_port: int,
+    *,
+    cluster: str = "attestmesh",
+    initial_fetch_timeout_s: float = 15.0,
+    connect_timeout_s: float = 1.0,
+) -> dict[str, Any]:
+    """Bootstrap of the Envoy whose node id is ``node`` (= its Registration name)."""
+    ads = {
+        "ads": {},
+        "resource_api_version": "V3",
+        "initial_fetch_timeout": f"{initial_fetch_timeout_s}s",
+    }
+    return {
+        "node": {"id": node, "cluster": cluster},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
+        },
+        "static_resources": {
+            "clusters": [
+                _static_cluster(
+                    XDS_CLUSTER,
+                    {"socket_address": {"address": xds.host, "port_value": xds.port}},
+                    connect_timeout_s,
+                ),
+                _static_cluster(
+                    SDS_CLUSTER, {"pipe": {"path": str(sds_socket)}}, connect_timeout_s
+                ),
+            ]
+        },
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+                "set_node_on_first_message_only": True,
+            },
+            "lds_config": ads,
+            "cds_config": ads,
+        },
+    }
+
+
+def render_bootstrap(bootstrap: dict[str, Any]) -> str:
+    return json.dumps(bootstrap, indent=2, sort_keys=True)
+
+
+__all__ = ["ControlPlaneAddress", "build_bootstrap", "render_bootstrap"]

@@ -1,0 +1,559 @@
+"""Mesh state -> one Envoy's configuration snapshot (CDS, EDS, LDS, RDS, SDS). Pure.
+
+Per node (``Registration.name``):
+
+- CDS: ``inbound|app`` (static, the local app) and, per called service S, ``out|S`` (EDS) with
+  mTLS: the workload certificate from the sidecar's local SDS, peers validated against the
+  ``mesh-trust`` secret (bundle + CRL, from ADS) and pinned to the SPIFFE IDs of S's attested
+  workloads.
+- EDS ``out|S``: inbound endpoints of attested workloads of S (none for a node not attested).
+- LDS: ``inbound`` (mTLS, client certificate required, any identity of the trust domain; HCM with
+  RDS ``inbound`` and the RBAC filter) and ``out|S`` on 127.0.0.1 (plaintext from the app).
+- RDS ``inbound``: one route to the app whose per-route RBAC allows exactly the principals
+  ``compile_permissions`` returns; nobody for a node not attested. Per-route RBAC in RDS applies
+  to connections already open, without draining listeners.
+- SDS ``mesh-trust``: trust bundle + CRL (``only_verify_leaf_cert_crl``).
+
+Every resource is serialized once into ``Any`` bytes; a :class:`Packer` shares identical
+resources between nodes and successive snapshots (e.g. the trust secret, a service's EDS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+
+import betterproto2
+from envoy_data_plane.envoy.config.cluster.v3 import (
+    Cluster,
+    ClusterDiscoveryType,
+    ClusterEdsClusterConfig,
+)
+from envoy_data_plane.envoy.config.core.v3 import (
+    Address,
+    AggregatedConfigSource,
+    ApiConfigSource,
+    ApiConfigSourceApiType,
+    ApiVersion,
+    ConfigSource,
+    DataSource,
+    GrpcService,
+    GrpcServiceEnvoyGrpc,
+    SocketAddress,
+    TransportSocket,
+)
+from envoy_data_plane.envoy.config.endpoint.v3 import (
+    ClusterLoadAssignment,
+    Endpoint,
+    LbEndpoint,
+    LocalityLbEndpoints,
+)
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.rbac.v3 import (
+    Permission as RbacPermission,
+)
+from envoy_data_plane.envoy.config.rbac.v3 import (
+    PermissionSet,
+    Policy,
+    Principal,
+    PrincipalAuthenticated,
+    RbacAction,
+)
+from envoy_data_plane.envoy.config.rbac.v3 import Rbac as RbacRules
+from envoy_data_plane.envoy.config.route.v3 import (
+    HeaderMatcher,
+    Route,
+    RouteAction,
+    RouteConfiguration,
+    RouteMatch,
+    VirtualHost,
+)
+from envoy_data_plane.envoy.extensions.filters.http.rbac.v3 import Rbac as RbacFilter
+from envoy_data_plane.envoy.extensions.filters.http.rbac.v3 import RbacPerRoute
+from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpConnectionManager,
+    HttpFilter,
+    Rds,
+)
+from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
+    CertificateValidationContext,
+    CommonTlsContext,
+    CommonTlsContextCombinedCertificateValidationContext,
+    DownstreamTlsContext,
+    SdsSecretConfig,
+    Secret,
+    SubjectAltNameMatcher,
+    SubjectAltNameMatcherSanType,
+    UpstreamTlsContext,
+)
+from envoy_data_plane.envoy.type.matcher.v3 import PathMatcher, StringMatcher
+from envoy_data_plane.google.protobuf import Any as AnyMsg
+
+from xds import pb
+from xds.meshpolicy import HttpMatch, MeshPolicy, Permission, compile_permissions
+from xds.resources import (
+    INBOUND_APP_CLUSTER,
+    INBOUND_LISTENER,
+    INBOUND_ROUTE,
+    MESH_TRUST,
+    REFERENCED_BY,
+    SDS_CLUSTER,
+    WORKLOAD_CERT,
+    TypeUrl,
+    outbound_name,
+)
+from xds.state import MeshState, Registration, Status
+
+HCM = "envoy.filters.network.http_connection_manager"
+RBAC_FILTER = "envoy.filters.http.rbac"
+ROUTER_FILTER = "envoy.filters.http.router"
+TLS_SOCKET = "envoy.transport_sockets.tls"
+
+
+@dataclass(frozen=True, slots=True)
+class TrustMaterial:
+    """What every Envoy validates peers against: the CA bundle and the CRL (both PEM)."""
+
+    bundle_pem: bytes
+    crl_pem: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildSettings:
+    connect_timeout: timedelta = timedelta(seconds=1)
+    outbound_bind: str = "127.0.0.1"
+    app_address: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable, versioned set of one node's resources, per type: name -> packed Any bytes.
+
+    ``references`` lists, per referenced type (EDS, RDS), the names the other resources use;
+    ``consistent()`` holds when every one of them is present. Versions are content hashes.
+    """
+
+    resources: Mapping[TypeUrl, Mapping[str, bytes]]
+    references: Mapping[TypeUrl, frozenset[str]] = field(default_factory=dict)
+    versions: Mapping[TypeUrl, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        resources: Mapping[TypeUrl, Mapping[str, bytes]],
+        references: Mapping[TypeUrl, frozenset[str]] | None = None,
+    ) -> Snapshot:
+        frozen = {t: MappingProxyType(dict(resources.get(t, {}))) for t in TypeUrl}
+        return cls(
+            MappingProxyType(frozen),
+            MappingProxyType(dict(references or {})),
+            MappingProxyType({t: content_version(frozen[t]) for t in TypeUrl}),
+        )
+
+    def version(self, type_url: TypeUrl) -> str:
+        return self.versions.get(type_url, "")
+
+    def get(self, type_url: TypeUrl) -> Mapping[str, bytes]:
+        return self.resources.get(type_url, MappingProxyType({}))
+
+    def missing(self) -> frozenset[tuple[TypeUrl, str]]:
+        """Referenced (type, name) pairs that the snapshot does not hold."""
+        return frozenset(
+            (t, name)
+            for t, names in self.references.items()
+            for name in names
+            if name not in self.get(t)
+        )
+
+    def consistent(self) -> bool:
+        return not self.missing()
+
+
+def content_version(resources: Mapping[str, bytes]) -> str:
+    """Opaque version = hash of the (name, bytes) set: stable across restarts and processes."""
+    h = hashlib.sha256()
+    for name in sorted(resources):
+        value = resources[name]
+        h.update(len(name).to_bytes(4, "big") + name.encode())
+        h.update(len(value).to_bytes(4, "big") + value)
+    return h.hexdigest()[:16]
+
+
+class Packer:
+    """Memo of packed resources keyed by their inputs: equal inputs are serialized once.
+
+    Not semantics, only cost: a pure builder given the same inputs gives the same bytes with or
+    without it. Bounded: cleared wholesale when it grows past ``limit`` entries.
+    """
+
+    def __init__(self, limit: int = 50_000) -> None:
+        self._memo: dict[Hashable, bytes] = {}
+        self._limit = limit
+        self.packed = 0  # resources actually serialized (tests assert sharing with it)
+
+    def get(
+        self, key: Hashable, type_url: TypeUrl, make: Callable[[], betterproto2.Message]
+    ) -> bytes:
+        full = (type_url, key)
+        hit = self._memo.get(full)
+        if hit is not None:
+            return hit
+        if len(self._memo) >= self._limit:
+            self._memo.clear()
+        value = pb.pack(make(), type_url)
+        self.packed += 1
+        self._memo[full] = value
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# small constructors
+
+
+def _ads() -> ConfigSource:
+    return ConfigSource(ads=AggregatedConfigSource(), resource_api_version=ApiVersion.V3)
+
+
+def _local_sds() -> ConfigSource:
+    return ConfigSource(
+        api_config_source=ApiConfigSource(
+            api_type=ApiConfigSourceApiType.GRPC,
+            transport_api_version=ApiVersion.V3,
+            grpc_services=[GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=SDS_CLUSTER))],
+        ),
+        resource_api_version=ApiVersion.V3,
+    )
+
+
+def _address(host: str, port: int) -> Address:
+    return Address(socket_address=SocketAddress(address=host, port_value=port))
+
+
+def _common_tls(san_matchers: Sequence[SubjectAltNameMatcher]) -> CommonTlsContext:
+    return CommonTlsContext(
+        tls_certificate_sds_secret_configs=[
+            SdsSecretConfig(name=WORKLOAD_CERT, sds_config=_local_sds())
+        ],
+        combined_validation_context=CommonTlsContextCombinedCertificateValidationContext(
+            default_validation_context=CertificateValidationContext(
+                match_typed_subject_alt_names=list(san_matchers)
+            ),
+            validation_context_sds_secret_config=SdsSecretConfig(
+                name=MESH_TRUST, sds_config=_ads()
+            ),
+        ),
+    )
+
+
+def _uri_san(matcher: StringMatcher) -> SubjectAltNameMatcher:
+    return SubjectAltNameMatcher(san_type=SubjectAltNameMatcherSanType.URI, matcher=matcher)
+
+
+def _hcm(
+    stat_prefix: str,
+    http_filters: list[HttpFilter],
+    rds: Rds | None = None,
+    route_config: RouteConfiguration | None = None,
+) -> Filter:
+    manager = HttpConnectionManager(
+        stat_prefix=stat_prefix,
+        http_filters=[*http_filters, HttpFilter(name=ROUTER_FILTER, typed_config=_any(Router()))],
+        rds=rds,
+        route_config=route_config,
+    )
+    return Filter(name=HCM, typed_config=_any(manager))
+
+
+def _any(message: betterproto2.Message) -> AnyMsg:
+    return AnyMsg.pack(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# resources
+
+
+def build_mesh_trust(trust: TrustMaterial) -> Secret:
+    context = CertificateValidationContext(
+        trusted_ca=DataSource(inline_bytes=trust.bundle_pem),
+        crl=DataSource(inline_bytes=trust.crl_pem) if trust.crl_pem else None,
+        only_verify_leaf_cert_crl=bool(trust.crl_pem),
+    )
+    return Secret(name=MESH_TRUST, validation_context=context)
+
+
+def build_outbound_cluster(
+    service: str, peer_ids: Sequence[str], trust_domain: str, settings: BuildSettings
+) -> Cluster:
+    # No attested peer: pin to an identity nobody holds rather than leave the SAN check empty.
+    ids = peer_ids or (f"spiffe://{trust_domain}/-/none",)
+    tls = UpstreamTlsContext(
+        common_tls_context=_common_tls([_uri_san(StringMatcher(exact=i)) for i in ids])
+    )
+    return Cluster(
+        name=outbound_name(service),
+        type=ClusterDiscoveryType.EDS,
+        eds_cluster_config=ClusterEdsClusterConfig(eds_config=_ads()),
+        connect_timeout=settings.connect_timeout,
+        transport_socket=TransportSocket(name=TLS_SOCKET, typed_config=_any(tls)),
+    )
+
+
+def build_app_cluster(app_port: int, settings: BuildSettings) -> Cluster:
+    return Cluster(
+        name=INBOUND_APP_CLUSTER,
+        type=ClusterDiscoveryType.STATIC,
+        connect_timeout=settings.connect_timeout,
+        load_assignment=build_load_assignment(
+            INBOUND_APP_CLUSTER, [(settings.app_address, app_port)]
+        ),
+    )
+
+
+def build_load_assignment(name: str, endpoints: Sequence[tuple[str, int]]) -> ClusterLoadAssignment:
+    return ClusterLoadAssignment(
+        cluster_name=name,
+        endpoints=[
+            LocalityLbEndpoints(
+                lb_endpoints=[
+                    LbEndpoint(endpoint=Endpoint(address=_address(host, port)))
+                    for host, port in endpoints
+                ]
+            )
+        ]
+        if endpoints
+        else [],
+    )
+
+
+def build_inbound_listener(reg: Registration, trust_domain: str) -> Listener:
+    # Any identity of the trust domain may handshake; who may call is RBAC's job (in RDS), so
+    # policy changes never drain this listener.
+    tls = DownstreamTlsContext(
+        require_client_certificate=True,
+        common_tls_context=_common_tls(
+            [_uri_san(StringMatcher(prefix=f"spiffe://{trust_domain}/"))]
+        ),
+    )
+    deny_all = RbacFilter(rules=RbacRules(action=RbacAction.ALLOW, policies={}))
+    hcm = _hcm(
+        INBOUND_LISTENER,
+        [HttpFilter(name=RBAC_FILTER, typed_config=_any(deny_all))],
+        rds=Rds(config_source=_ads(), route_config_name=INBOUND_ROUTE),
+    )
+    return Listener(
+        name=INBOUND_LISTENER,
+        address=_address(reg.inbound.address, reg.inbound.port),
+        filter_chains=[
+            FilterChain(
+                filters=[hcm],
+                transport_socket=TransportSocket(name=TLS_SOCKET, typed_config=_any(tls)),
+            )
+        ],
+    )
+
+
+def build_outbound_listener(service: str, port: int, settings: BuildSettings) -> Listener:
+    name = outbound_name(service)
+    routes = RouteConfiguration(
+        name=name,
+        virtual_hosts=[
+            VirtualHost(
+                name=service,
+                domains=["*"],
+                routes=[Route(match=RouteMatch(prefix="/"), route=RouteAction(cluster=name))],
+            )
+        ],
+    )
+    return Listener(
+        name=name,
+        address=_address(settings.outbound_bind, port),
+        filter_chains=[FilterChain(filters=[_hcm(name, [], route_config=routes)])],
+    )
+
+
+def _or_rules(rules: list[RbacPermission]) -> RbacPermission:
+    return rules[0] if len(rules) == 1 else RbacPermission(or_rules=PermissionSet(rules=rules))
+
+
+def build_rbac_permission(match: HttpMatch) -> RbacPermission:
+    """One ``to`` entry: ports OR'ed, AND paths (prefix) OR'ed, AND methods OR'ed."""
+    parts: list[RbacPermission] = []
+    if match.ports:
+        parts.append(_or_rules([RbacPermission(destination_port=p) for p in sorted(match.ports)]))
+    if match.paths:
+        parts.append(
+            _or_rules(
+                [
+                    RbacPermission(url_path=PathMatcher(path=StringMatcher(prefix=p)))
+                    for p in match.paths
+                ]
+            )
+        )
+    if match.methods:
+        parts.append(
+            _or_rules(
+                [
+                    RbacPermission(
+                        header=HeaderMatcher(name=":method", string_match=StringMatcher(exact=m))
+                    )
+                    for m in sorted(match.methods)
+                ]
+            )
+        )
+    if not parts:
+        return RbacPermission(any=True)
+    return parts[0] if len(parts) == 1 else RbacPermission(and_rules=PermissionSet(rules=parts))
+
+
+def build_rbac(permissions: Sequence[Permission]) -> RbacRules:
+    """ALLOW policies, one per principal; no permission at all denies everyone."""
+    policies = {
+        f"{i:04d}|{p.principal}": Policy(
+            principals=[
+                Principal(
+                    authenticated=PrincipalAuthenticated(
+                        principal_name=StringMatcher(exact=p.principal)
+                    )
+                )
+            ],
+            permissions=[build_rbac_permission(m) for m in p.to] or [RbacPermission(any=True)],
+        )
+        for i, p in enumerate(permissions)
+    }
+    return RbacRules(action=RbacAction.ALLOW, policies=policies)
+
+
+def build_inbound_routes(permissions: Sequence[Permission]) -> RouteConfiguration:
+    per_route = RbacPerRoute(rbac=RbacFilter(rules=build_rbac(permissions)))
+    return RouteConfiguration(
+        name=INBOUND_ROUTE,
+        virtual_hosts=[
+            VirtualHost(
+                name=INBOUND_ROUTE,
+                domains=["*"],
+                routes=[
+                    Route(
+                        match=RouteMatch(prefix="/"),
+                        route=RouteAction(cluster=INBOUND_APP_CLUSTER),
+                        typed_per_filter_config={RBAC_FILTER: _any(per_route)},
+                    )
+                ],
+            )
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the snapshot
+
+
+def build_snapshot(
+    state: MeshState,
+    node: str,
+    mesh_policies: Sequence[MeshPolicy],
+    trust: TrustMaterial,
+    settings: BuildSettings | None = None,
+    packer: Packer | None = None,
+) -> Snapshot:
+    """The complete, consistent configuration of Envoy ``node`` for this mesh state."""
+    settings = settings or BuildSettings()
+    packer = packer or Packer()
+    td = state.trust_domain
+    me = state.get(node)
+    reg = me.registration
+    attested = me.status is Status.ATTESTED
+
+    serving: dict[str, list[Registration]] = {}
+    for w in state.attested():
+        serving.setdefault(w.registration.service, []).append(w.registration)
+
+    clusters: dict[str, bytes] = {
+        INBOUND_APP_CLUSTER: packer.get(
+            ("app", reg.app_port, settings),
+            TypeUrl.CLUSTER,
+            lambda: build_app_cluster(reg.app_port, settings),
+        )
+    }
+    endpoints: dict[str, bytes] = {}
+    listeners: dict[str, bytes] = {
+        INBOUND_LISTENER: packer.get(
+            ("inbound", reg.inbound, td),
+            TypeUrl.LISTENER,
+            lambda: build_inbound_listener(reg, td),
+        )
+    }
+    for service, port in sorted(reg.outbound.items()):
+        name = outbound_name(service)
+        peers = serving.get(service, [])
+        ids = tuple(sorted({p.spiffe_id(td) for p in peers}))
+        clusters[name] = packer.get(
+            ("out", service, ids, td, settings),
+            TypeUrl.CLUSTER,
+            lambda s=service, i=ids: build_outbound_cluster(s, i, td, settings),  # type: ignore[misc]
+        )
+        eps = tuple(sorted((p.inbound.address, p.inbound.port) for p in peers)) if attested else ()
+        endpoints[name] = packer.get(
+            ("eds", name, eps),
+            TypeUrl.ENDPOINT,
+            lambda n=name, e=eps: build_load_assignment(n, e),  # type: ignore[misc]
+        )
+        listeners[name] = packer.get(
+            ("outl", service, port, settings),
+            TypeUrl.LISTENER,
+            lambda s=service, p=port: build_outbound_listener(s, p, settings),  # type: ignore[misc]
+        )
+
+    permissions = compile_permissions(mesh_policies, state, node) if attested else ()
+    routes = {
+        INBOUND_ROUTE: packer.get(
+            ("rds", permissions), TypeUrl.ROUTE, lambda: build_inbound_routes(permissions)
+        )
+    }
+    secrets = {
+        MESH_TRUST: packer.get(("trust", trust), TypeUrl.SECRET, lambda: build_mesh_trust(trust))
+    }
+    return Snapshot.of(
+        {
+            TypeUrl.CLUSTER: clusters,
+            TypeUrl.ENDPOINT: endpoints,
+            TypeUrl.LISTENER: listeners,
+            TypeUrl.ROUTE: routes,
+            TypeUrl.SECRET: secrets,
+        },
+        {
+            # EDS clusters name their load assignments, the inbound HCM its route table.
+            REFERENCED_BY[TypeUrl.CLUSTER]: frozenset(outbound_name(s) for s in reg.outbound),
+            REFERENCED_BY[TypeUrl.LISTENER]: frozenset({INBOUND_ROUTE}),
+            TypeUrl.SECRET: frozenset({MESH_TRUST}),
+        },
+    )
+
+
+def build_snapshots(
+    state: MeshState,
+    mesh_policies: Sequence[MeshPolicy],
+    trust: TrustMaterial,
+    settings: BuildSettings | None = None,
+    packer: Packer | None = None,
+) -> dict[str, Snapshot]:
+    """Snapshots of every registered node, sharing one packer."""
+    packer = packer or Packer()
+    return {
+        name: build_snapshot(state, name, mesh_policies, trust, settings, packer)
+        for name in sorted(state.workloads)
+    }
+
+
+__all__ = [
+    "BuildSettings",
+    "Packer",
+    "Snapshot",
+    "TrustMaterial",
+    "build_snapshot",
+    "build_snapshots",
+    "content_version",
+]
