@@ -32,9 +32,7 @@ class Metrics:
         self.certificates_issued = Counter(
             "attestmesh_certificates_issued_total", "Leaf certificates issued", registry=r
         )
-        self.xds_streams = Gauge(
-            "attestmesh_xds_streams", "Connected xDS streams", registry=r
-        )
+        self.xds_streams = Gauge("attestmesh_xds_streams", "Connected xDS streams", registry=r)
         self.xds_push_ack_seconds = Histogram(
             "attestmesh_xds_push_ack_seconds",
             "Time from sending an xDS response to its ACK, by type",

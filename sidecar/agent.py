@@ -176,6 +176,10 @@ class Agent:
         """Attest, then renew/re-attest on schedule until ``stop``; retry with backoff."""
         backoff = retry_s
         async with aiohttp.ClientSession() as session:
+            if self.current is not None:  # attested already: wait for the schedule first
+                wait = next_attestation_at(self.current, self._clock()) - self._clock()
+                await _wait_any(stop, self.attest_now, max(wait.total_seconds(), 0.0))
+                self.attest_now.clear()
             while not stop.is_set():
                 try:
                     cert = await self.attest_once(session)

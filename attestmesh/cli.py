@@ -1,0 +1,200 @@
+"""``attestmesh``: the command line. Settings are read here, once, and passed down."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from certs.errors import AttestmeshError, PolicyError
+
+
+def _controlplane(args: argparse.Namespace) -> int:
+    from attestmesh.serve import ControlPlaneSettings, run_control_plane
+
+    settings = ControlPlaneSettings(
+        state_dir=args.state_dir,
+        policy_file=args.policy,
+        mesh_policy_file=args.mesh_policy,
+        registrations_file=args.workloads,
+        trust_domain=args.trust_domain,
+        host=args.host,
+        api_port=args.api_port,
+        xds_port=args.xds_port,
+        ops_port=args.ops_port,
+        sim_platform_keys=tuple(args.sim_platform_key or ()),
+        roots_dir=args.roots,
+    )
+
+    async def main() -> None:
+        await run_control_plane(settings, asyncio.Event())
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from attestmesh.agent_cmd import run_agent
+
+    return run_agent(args)
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap, render_bootstrap
+
+    host, _, port = args.xds.rpartition(":")
+    if not host or not port.isdigit():
+        raise AttestmeshError("usage", f"--xds must be host:port, got {args.xds!r}")
+    text = render_bootstrap(
+        build_bootstrap(
+            args.node, ControlPlaneAddress(host, int(port)), args.sds_socket, args.admin_port
+        )
+    )
+    if args.output:
+        args.output.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from attestmesh.demo import run_demo
+
+    try:
+        return asyncio.run(run_demo(args.workdir))
+    except KeyboardInterrupt:
+        print("interrupted; every process the demo started was stopped", file=sys.stderr)
+        return 130
+
+
+def _admin(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+    url = f"http://127.0.0.1:{args.ops_port}{path}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (loopback URL)
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise AttestmeshError("admin_error", f"{exc.code}: {detail}") from None
+    except urllib.error.URLError as exc:
+        raise AttestmeshError(
+            "control_plane_unreachable", f"no control plane ops endpoint at {url}: {exc.reason}"
+        ) from None
+
+
+def _quarantine(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        items = _admin(args, "GET", "/v1/admin/workloads?status=quarantined")
+        if args.json:
+            print(json.dumps(items, indent=2))
+        elif not items:
+            print("no workload is quarantined")
+        for w in items if not args.json else []:
+            q = w["quarantine"]
+            print(f"{w['name']}\t{w['spiffe_id']}\t{q['at']}\t{q['trigger']}\t{q['reason']}")
+        return 0
+    if not args.name:
+        raise AttestmeshError("usage", f"quarantine {args.action} needs a workload NAME")
+    if args.action == "release":
+        out = _admin(args, "POST", f"/v1/admin/workloads/{args.name}/release", {})
+        print(
+            f"{args.name}: {out['status']} "
+            f"({'released' if out['changed'] else 'was not quarantined'}); "
+            "certificates flow again after a fresh successful attestation"
+        )
+        return 0
+    out = _admin(
+        args, "POST", f"/v1/admin/workloads/{args.name}/quarantine", {"reason": args.reason}
+    )
+    print(f"{args.name}: {out['status']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attestmesh", description="Attested service mesh")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cp = sub.add_parser("controlplane", help="run the control plane (attestation API, xDS, ops)")
+    cp.add_argument("--state-dir", type=Path, required=True, help="CA and SQLite state live here")
+    cp.add_argument("--policy", type=Path, required=True, help="AttestationPolicy YAML file")
+    cp.add_argument("--mesh-policy", type=Path, help="MeshPolicy YAML file")
+    cp.add_argument("--workloads", type=Path, help="local-mode workload registrations YAML")
+    cp.add_argument("--trust-domain", default="attestmesh.local")
+    cp.add_argument("--host", default="127.0.0.1")
+    cp.add_argument("--api-port", type=int, default=8443)
+    cp.add_argument("--xds-port", type=int, default=18000)
+    cp.add_argument("--ops-port", type=int, default=9090)
+    cp.add_argument("--roots", type=Path, help="directory overriding the bundled vendor roots")
+    cp.add_argument(
+        "--sim-platform-key",
+        type=Path,
+        action="append",
+        help="PEM public key of a simulated platform; enables the sim verifier (tests/demo only)",
+    )
+    cp.set_defaults(func=_controlplane)
+
+    from attestmesh.agent_cmd import add_agent_parser
+
+    add_agent_parser(sub).set_defaults(func=_agent)
+
+    b = sub.add_parser("bootstrap", help="render the Envoy bootstrap for a sidecar")
+    b.add_argument("--node", required=True, help="the workload (registration) name")
+    b.add_argument("--xds", required=True, help="control plane ADS address host:port")
+    b.add_argument("--sds-socket", type=Path, required=True, help="the agent's SDS Unix socket")
+    b.add_argument("--admin-port", type=int, default=15000)
+    b.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    b.set_defaults(func=_bootstrap)
+
+    d = sub.add_parser("demo", help="frontend <-> backend over attested mTLS, then a quarantine")
+    d.add_argument("--workdir", type=Path, help="keep state and Envoy logs here (default: temp)")
+    d.set_defaults(func=_demo)
+
+    q = sub.add_parser("quarantine", help="list, add or release quarantined workloads")
+    q.add_argument("action", choices=["list", "add", "release"])
+    q.add_argument("name", nargs="?")
+    q.add_argument("--reason", default="operator command")
+    q.add_argument("--ops-port", type=int, default=9090, help="control plane ops port")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_quarantine)
+
+    from attestmesh import verify_cmd
+
+    verify_cmd.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quiet = args.command in ("demo", "verify", "lint", "bootstrap", "quarantine")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except PolicyError as exc:
+        print("attestmesh: invalid configuration:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    except AttestmeshError as exc:
+        print(f"attestmesh: {exc.reason}: {exc.detail}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
