@@ -177,8 +177,8 @@ class Agent:
         backoff = retry_s
         async with aiohttp.ClientSession() as session:
             if self.current is not None:  # attested already: wait for the schedule first
-                wait = next_attestation_at(self.current, self._clock()) - self._clock()
-                await _wait_any(stop, self.attest_now, max(wait.total_seconds(), 0.0))
+                first = next_attestation_at(self.current, self._clock()) - self._clock()
+                await _wait_any(stop, self.attest_now, max(first.total_seconds(), 0.0))
                 self.attest_now.clear()
             while not stop.is_set():
                 try:
