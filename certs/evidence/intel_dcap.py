@@ -233,8 +233,9 @@ def parse_header(data: bytes) -> QuoteHeader:
         raise EvidenceFormatError("quote_unsupported", f"attestation key type {att_key_type}")
     if tee_type not in (TEE_TYPE_SGX, TEE_TYPE_TDX):
         raise EvidenceFormatError("quote_unsupported", f"tee type {tee_type:#x}")
-    if version == 3 and tee_type != TEE_TYPE_SGX:
-        raise EvidenceFormatError("quote_unsupported", "quote v3 is SGX only")
+    if (version == 3) != (tee_type == TEE_TYPE_SGX):
+        # Quote v3 is SGX only; SGX quotes are v3 only (as in dcap-qvl; Gramine emits v3).
+        raise EvidenceFormatError("quote_unsupported", f"quote v{version} for tee {tee_type:#x}")
     return QuoteHeader(
         version=version,
         att_key_type=att_key_type,
@@ -388,7 +389,7 @@ def quote_tee_type(evidence: bytes) -> int | None:
         return None
     if tee_type not in (TEE_TYPE_SGX, TEE_TYPE_TDX):
         return None
-    if version == 3 and tee_type != TEE_TYPE_SGX:
+    if (version == 3) != (tee_type == TEE_TYPE_SGX):
         return None
     return int(tee_type)
 
@@ -706,6 +707,11 @@ def _advisories(level: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(ids)
 
 
+_ISV_STATUSES = frozenset({TcbStatus.UP_TO_DATE, TcbStatus.OUT_OF_DATE, TcbStatus.REVOKED})
+"""Enclave identity and TDX module levels use only these statuses."""
+_PLATFORM_STATUSES = frozenset(TcbStatus)
+
+
 def _isv_levels(levels: object, what: str) -> tuple[IsvLevel, ...]:
     if not isinstance(levels, list):
         raise _collateral_error(f"{what}.tcbLevels is not a list")
@@ -714,6 +720,8 @@ def _isv_levels(levels: object, what: str) -> tuple[IsvLevel, ...]:
         if not isinstance(level, dict):
             raise _collateral_error(f"{what}: tcb level is not an object")
         tcb = _get(level, "tcb", dict, what)
+        if level.get("tcbStatus") not in _ISV_STATUSES:
+            raise _collateral_error(f"{what}: TCB status {level.get('tcbStatus')!r}")
         out.append(
             IsvLevel(
                 isv_svn=_get(tcb, "isvsvn", int, what),
@@ -777,6 +785,8 @@ def parse_tcb_info(body: bytes) -> TcbInfo:
         else:
             sgx = tuple(_get(tcb, f"sgxtcbcomp{i:02d}svn", int, "tcbLevel") for i in range(1, 17))
             tdx = None
+        if level.get("tcbStatus") not in _PLATFORM_STATUSES:
+            raise _collateral_error(f"tcbLevel: TCB status {level.get('tcbStatus')!r}")
         levels.append(
             TcbLevel(
                 sgx_components=sgx,
@@ -989,11 +999,10 @@ def attestation_public_key(raw: bytes) -> ec.EllipticCurvePublicKey:
 
 
 def load_certificates(pem_or_der: bytes, what: str) -> list[x509.Certificate]:
-    data = pem_or_der.rstrip(b"\x00")
     try:
-        if b"-----BEGIN" in data:
-            return x509.load_pem_x509_certificates(data)
-        return [x509.load_der_x509_certificate(data)]
+        if b"-----BEGIN" in pem_or_der:
+            return x509.load_pem_x509_certificates(pem_or_der.rstrip(b"\x00"))
+        return [x509.load_der_x509_certificate(pem_or_der)]
     except ValueError as exc:
         raise EvidenceVerificationError(
             "chain_invalid", f"{what}: unreadable certificates"
@@ -1322,11 +1331,15 @@ class DcapVerifier:
         qe_status: str | None = None
         if qe_checked:
             if qe_level is None:
-                qe_status = TcbStatus.OUT_OF_DATE.value
-            else:
-                qe_status = qe_level.status
-                advisories = _merge(advisories, qe_level.advisories)
+                raise EvidenceVerificationError(
+                    "qe_tcb_level_not_found", "QE ISVSVN is below every QE identity TCB level"
+                )
+            qe_status = qe_level.status
+            advisories = _merge(advisories, qe_level.advisories)
             status = converge_status(status, qe_status)
+        if status == TcbStatus.REVOKED:
+            # Intel QVL and dcap-qvl treat a revoked TCB as a verification failure.
+            raise EvidenceVerificationError("revoked", "TCB level revoked")
         return VerifiedQuote(
             quote=quote,
             pck=pck,

@@ -216,13 +216,14 @@ def test_fmspc_mismatch(pki: fx.Pki) -> None:
     assert err.value.reason == "fmspc_mismatch"
 
 
-def test_quote_v4_and_v5_sgx_bodies(pki: fx.Pki) -> None:
+def test_sgx_quotes_must_be_v3(pki: fx.Pki) -> None:
     coll = {"collateral_json": fx.build_collateral(pki)}
     for version in (4, 5):
         quote = fx.build_quote(pki, version=version)
-        claims = SgxVerifier(pki.root_der).verify(quote, now=fx.NOW, collateral=coll)
-        assert claims.details["quote_version"] == version
-        assert claims.tcb_status == "UpToDate"
+        assert not sgx_dcap.looks_like(quote)
+        with pytest.raises(EvidenceFormatError) as err:
+            SgxVerifier(pki.root_der).verify(quote, now=fx.NOW, collateral=coll)
+        assert err.value.reason == "quote_unsupported"
 
 
 def test_expired_by_one_second(pki: fx.Pki) -> None:

@@ -219,10 +219,24 @@ def test_qe_out_of_date_with_configuration_needed(pki: fx.Pki) -> None:
         pki,
         tdx=True,
         levels=[fx.platform_level("ConfigurationNeeded", tdx=fx.TDX_TCB, advisories=("SA-3",))],
-        qe_levels=[fx.isv_level("UpToDate", 9)],
+        qe_levels=[fx.isv_level("UpToDate", 9), fx.isv_level("OutOfDate", 2, ("Q-1",))],
     )
     quote = fx.build_quote(pki, tdx=True, qe_isvsvn=8)
-    assert _verify(pki, quote, coll) == ("OutOfDateConfigurationNeeded", ("SA-3",))
+    assert _verify(pki, quote, coll) == ("OutOfDateConfigurationNeeded", ("SA-3", "Q-1"))
+
+
+def test_qe_below_every_level(pki: fx.Pki) -> None:
+    coll = fx.build_collateral(pki, tdx=True, qe_levels=[fx.isv_level("UpToDate", 9)])
+    with pytest.raises(EvidenceVerificationError) as err:
+        _verify(pki, fx.build_quote(pki, tdx=True, qe_isvsvn=8), coll)
+    assert err.value.reason == "qe_tcb_level_not_found"
+
+
+def test_revoked_tcb_level_is_a_failure(pki: fx.Pki) -> None:
+    coll = fx.build_collateral(pki, tdx=True, levels=[fx.platform_level("Revoked", tdx=fx.TDX_TCB)])
+    with pytest.raises(EvidenceVerificationError) as err:
+        _verify(pki, fx.build_quote(pki, tdx=True), coll)
+    assert err.value.reason == "revoked"
 
 
 def test_td15_body_in_v5(pki: fx.Pki) -> None:
