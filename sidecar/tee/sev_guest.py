@@ -16,12 +16,14 @@ The encoding and decoding are pure functions; the ioctl itself sits behind the `
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import errno
 import fcntl
 import os
 import struct
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ __all__ = [
     "build_guest_request",
     "build_report_request",
     "iowr",
+    "parse_cert_table",
     "parse_guest_request",
     "parse_report_response",
 ]
@@ -190,3 +193,50 @@ class SevGuestCollector:
         if report[0x50:0x90] != report_data:
             raise SevGuestError("report_data_mismatch", "report does not carry our report_data")
         return report
+
+
+# ---------------------------------------------------------------------------------------------
+# the extended report's certificate table (configfs-tsm ``auxblob`` for sev_guest)
+
+_CERT_GUIDS: Final = {
+    uuid.UUID("63da758d-e664-4564-adc5-f4b93be8accd"): "vcek",
+    uuid.UUID("a8074bc2-a25a-483e-aae6-39c045a0b8a1"): "vlek",
+    uuid.UUID("4ab7b379-bbac-4fe4-a02f-05aef327c782"): "ask",
+    uuid.UUID("c0b406a4-a803-4952-9743-3fb6014cd0ae"): "ark",
+}
+_CERT_ENTRY = struct.Struct("<16sII")
+_MAX_CERT_ENTRIES: Final = 64
+
+
+def _pem(der: bytes) -> bytes:
+    b64 = base64.b64encode(der)
+    body = b"\n".join(b64[i : i + 64] for i in range(0, len(b64), 64))
+    return b"-----BEGIN CERTIFICATE-----\n" + body + b"\n-----END CERTIFICATE-----\n"
+
+
+def parse_cert_table(table: bytes) -> dict[str, bytes]:
+    """Turn the host's certificate table (GHCB spec: entries of GUID, u32 offset, u32 length,
+    ended by an all-zero entry) into SNP collateral: ``vcek``/``vlek`` (DER) and
+    ``cert_chain`` (PEM, ASK or ASVK then ARK) when both are present. Unknown GUIDs are
+    ignored. GUIDs are accepted in either byte order (the text order is what Linux uses)."""
+    found: dict[str, bytes] = {}
+    for index in range(_MAX_CERT_ENTRIES):
+        at = index * _CERT_ENTRY.size
+        if at + _CERT_ENTRY.size > len(table):
+            raise SevGuestError("cert_table_invalid", "table is not terminated")
+        raw_guid, offset, length = _CERT_ENTRY.unpack_from(table, at)
+        if raw_guid == bytes(16):
+            break
+        name = _CERT_GUIDS.get(uuid.UUID(bytes=raw_guid)) or _CERT_GUIDS.get(
+            uuid.UUID(bytes_le=raw_guid)
+        )
+        if length == 0 or offset + length > len(table) or offset < at + _CERT_ENTRY.size:
+            raise SevGuestError("cert_table_invalid", f"entry {index} points outside the table")
+        if name is not None:
+            found[name] = table[offset : offset + length]
+    else:
+        raise SevGuestError("cert_table_invalid", f"more than {_MAX_CERT_ENTRIES} entries")
+    out = {k: v for k, v in found.items() if k in ("vcek", "vlek")}
+    if "ask" in found and "ark" in found:
+        out["cert_chain"] = _pem(found["ask"]) + _pem(found["ark"])
+    return out

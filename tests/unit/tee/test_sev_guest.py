@@ -3,13 +3,18 @@ reads the request and writes the response through the addresses, as the kernel d
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import ctypes
 import errno
 import struct
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from certs.evidence.sev_snp import SevSnpVerifier, parse_report
 from sidecar.tee.sev_guest import (
@@ -21,6 +26,7 @@ from sidecar.tee.sev_guest import (
     build_guest_request,
     build_report_request,
     iowr,
+    parse_cert_table,
     parse_guest_request,
     parse_report_response,
 )
@@ -175,3 +181,78 @@ def test_firmware_status_error_surfaces(device_file: Path) -> None:
     with pytest.raises(SevGuestError) as info:
         SevGuestCollector(SevGuestDevice(device_file, ioctl=kernel)).collect(REPORT_DATA)
     assert info.value.reason == "report_status"
+
+
+# ---------------------------------------------------------------------------------------------
+# certificate table (extended report / configfs-tsm auxblob)
+
+GUID_VLEK = uuid.UUID("a8074bc2-a25a-483e-aae6-39c045a0b8a1")
+GUID_ASK = uuid.UUID("4ab7b379-bbac-4fe4-a02f-05aef327c782")
+GUID_ARK = uuid.UUID("c0b406a4-a803-4952-9743-3fb6014cd0ae")
+GUID_OTHER = uuid.UUID("92f81bc3-5811-4d3d-97ff-d19f88dc67ea")
+
+
+def _pem_to_der(pem: bytes) -> list[bytes]:
+    blocks = pem.split(b"-----END CERTIFICATE-----")[:-1]
+    return [
+        base64.b64decode(b"".join(b.split(b"-----BEGIN CERTIFICATE-----")[1].split()))
+        for b in blocks
+    ]
+
+
+def _table(entries: list[tuple[bytes, bytes]]) -> bytes:
+    header_len = 24 * (len(entries) + 1)
+    header, body = b"", b""
+    for guid, blob in entries:
+        header += guid + struct.pack("<II", header_len + len(body), len(blob))
+        body += blob
+    return header + bytes(24) + body
+
+
+def test_cert_table_yields_verifiable_vlek_collateral() -> None:
+    vlek = (SNP / "milan_v3_vlek_aws_trustee" / "vlek.der").read_bytes()
+    chain_pem = (SNP / "amd" / "asvk_ark_milan_vlek.pem").read_bytes()
+    asvk, ark = _pem_to_der(chain_pem)
+    table = _table(
+        [
+            (GUID_VLEK.bytes, vlek),
+            (GUID_OTHER.bytes, b"crl"),
+            (GUID_ASK.bytes_le, asvk),  # either byte order is accepted
+            (GUID_ARK.bytes, ark),
+        ]
+    )
+    collateral = parse_cert_table(table)
+    assert set(collateral) == {"vlek", "cert_chain"}
+    assert collateral["vlek"] == vlek
+    assert _pem_to_der(collateral["cert_chain"]) == [asvk, ark]
+    verifier = SevSnpVerifier([chain_pem])
+    report = (SNP / "milan_v3_vlek_aws_trustee" / "report.bin").read_bytes()
+    claims = verifier.verify(report, now=pin("2025-05-28T00:00:00Z"), collateral=collateral)
+    assert claims.details["signing_key"] == "vlek"
+
+
+def test_empty_cert_table() -> None:
+    assert parse_cert_table(bytes(24)) == {}
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        b"",
+        GUID_VLEK.bytes + struct.pack("<II", 48, 10),  # not terminated
+        GUID_VLEK.bytes + struct.pack("<II", 48, 1000) + bytes(24) + b"x" * 10,  # past the end
+        GUID_VLEK.bytes + struct.pack("<II", 0, 10) + bytes(24),  # overlaps the header
+        (GUID_OTHER.bytes + struct.pack("<II", 65 * 24, 1)) * 65 + b"x",  # too many entries
+    ],
+)
+def test_malformed_cert_table(table: bytes) -> None:
+    with pytest.raises(SevGuestError) as info:
+        parse_cert_table(table)
+    assert info.value.reason == "cert_table_invalid"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_cert_table_on_arbitrary_bytes(data: bytes) -> None:
+    with contextlib.suppress(SevGuestError):
+        parse_cert_table(data)
