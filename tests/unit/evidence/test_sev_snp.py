@@ -779,3 +779,31 @@ def test_verify_on_mutated_reports_raises_only_project_errors(verifier: SevSnpVe
             continue
         # Only bytes outside the signed region and signature components may be ignored.
         assert offset >= SIGNED_LEN + 144, offset
+
+
+def test_warm_verification_reuses_verified_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cold: one RSA-PSS link check (VCEK <- ASK; ARK and ASK were checked at construction)
+    and one certificate parse. Warm: neither, only the report's ECDSA signature."""
+    import certs.evidence.sev_snp as mod
+
+    v = SevSnpVerifier([MILAN])
+    calls = {"pss": 0, "parse": 0}
+    real_pss, real_parse = mod._verify_pss, mod._parse_endorsement
+
+    def pss(*args: object) -> None:
+        calls["pss"] += 1
+        real_pss(*args)  # type: ignore[arg-type]
+
+    def parse(data: bytes) -> object:
+        calls["parse"] += 1
+        return real_parse(data)
+
+    monkeypatch.setattr(mod, "_verify_pss", pss)
+    monkeypatch.setattr(mod, "_parse_endorsement", parse)
+    _verify(v, GOSEV)
+    assert calls == {"pss": 1, "parse": 1}
+    for _ in range(3):
+        _verify(v, GOSEV)
+    assert calls == {"pss": 1, "parse": 1}
+    # A tampered report still fails when warm: the signature is always checked.
+    assert _reason(v, GOSEV, _flip(GOSEV.evidence(), 0x90)) == "signature_invalid"
