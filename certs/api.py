@@ -133,7 +133,7 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
 
     async def renew(request: web.Request) -> web.Response:
         req = parse_attest_body(await read_json(request))
-        if cp.status_of(req.workload) is not Status.ATTESTED:
+        if cp.status_of(req.workload) is Status.PENDING:
             raise AttestmeshError("not_attested", "renewal needs an attested workload; attest")
         return web.json_response(issued_json(await cp.attest(req, token_of(request))))
 

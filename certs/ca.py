@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -96,13 +97,19 @@ def parse_csr(pem: bytes) -> x509.CertificateSigningRequest:
     """Parse and check a CSR: PEM, self-signature valid, P-256 key."""
     try:
         csr = x509.load_pem_x509_csr(pem)
-    except ValueError as exc:
+        key = csr.public_key()
+    except (ValueError, x509.InvalidVersion) as exc:
         raise CsrError("csr_malformed", str(exc)) from None
-    if not csr.is_signature_valid:
-        raise CsrError("csr_signature_invalid", "the CSR is not signed by its own key")
-    key = csr.public_key()
+    except UnsupportedAlgorithm:
+        raise CsrError("csr_key_type", "the CSR key must be ECDSA P-256") from None
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
         raise CsrError("csr_key_type", "the CSR key must be ECDSA P-256")
+    try:
+        signature_valid = csr.is_signature_valid
+    except (ValueError, UnsupportedAlgorithm):
+        signature_valid = False
+    if not signature_valid:
+        raise CsrError("csr_signature_invalid", "the CSR is not signed by its own key")
     return csr
 
 
@@ -251,7 +258,7 @@ def _write_private(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    tmp.replace(path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
