@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import math
 import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -162,7 +163,10 @@ def _map(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-_QUANTITY = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+_QUANTITY = re.compile(
+    r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$", re.ASCII
+)
+_EXPONENT = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,2}$", re.ASCII)
 _SUFFIX = {
     None: Decimal(1),
     "n": Decimal("1e-9"),
@@ -187,14 +191,21 @@ def parse_quantity(value: Any) -> Decimal | None:
     """A Kubernetes resource quantity as a number (cores, bytes, counts); None if invalid."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int | float):
-        return Decimal(str(value))
+    if isinstance(value, int):
+        return Decimal(value) if abs(value) < 10**30 else None
+    if isinstance(value, float):
+        return Decimal(str(value)) if math.isfinite(value) and abs(value) < 1e30 else None
     if not isinstance(value, str):
         return None
-    m = _QUANTITY.match(value.strip())
+    text = value.strip()
+    if len(text) > 64:
+        return None
+    m = _QUANTITY.match(text)
     if m is None:
+        if not _EXPONENT.match(text):
+            return None
         try:
-            return Decimal(value.strip()) if "e" in value.lower() else None
+            return Decimal(text)
         except InvalidOperation:
             return None
     return Decimal(m.group(1)) * _SUFFIX[m.group(2)]
@@ -261,7 +272,7 @@ class PodTemplate:
 
 def _resource_names(container: Mapping[str, Any]) -> set[str]:
     res = _map(container.get("resources"))
-    return set(_map(res.get("requests"))) | set(_map(res.get("limits")))
+    return {str(k) for k in (*_map(res.get("requests")), *_map(res.get("limits")))}
 
 
 def _container_requests(container: Any) -> dict[str, Decimal]:
@@ -269,10 +280,10 @@ def _container_requests(container: Any) -> dict[str, Decimal]:
     out: dict[str, Decimal] = {}
     for name, value in _map(res.get("limits")).items():
         if (q := parse_quantity(value)) is not None:
-            out[name] = q
+            out[str(name)] = q
     for name, value in _map(res.get("requests")).items():
         if (q := parse_quantity(value)) is not None:
-            out[name] = q
+            out[str(name)] = q
     return out
 
 
@@ -330,8 +341,9 @@ class Allocator:
     cpu_count: int | None
 
 
-_ALLOC_MEMORY = re.compile(r"^\s*memory_mib\s*[:=]\s*(\d+)\s*$", re.MULTILINE)
-_ALLOC_CPUS = re.compile(r"^\s*cpu_count\s*[:=]\s*(\d+)\s*$", re.MULTILINE)
+_ALLOC_MEMORY = re.compile(r"^\s*memory_mib\s*[:=]\s*(\d{1,9})\s*$", re.MULTILINE | re.ASCII)
+_ALLOC_CPUS = re.compile(r"^\s*cpu_count\s*[:=]\s*(\d{1,6})\s*$", re.MULTILINE | re.ASCII)
+_SMALL_INT = re.compile(r"^\d{1,9}$", re.ASCII)
 
 
 def allocator_of(node_class: SourcedObject) -> Allocator | None:
@@ -396,7 +408,7 @@ def _min_from(requirements: Sequence[Mapping[str, Any]], key: str) -> int | None
     for r in requirements:
         if r.get("key") != key:
             continue
-        values = [v for v in _list(r.get("values")) if isinstance(v, str) and v.isdigit()]
+        values = [v for v in _list(r.get("values")) if isinstance(v, str) and _SMALL_INT.match(v)]
         if not values:
             continue
         op = r.get("operator")
@@ -707,7 +719,8 @@ def _check_workloads(
 def _check_enclave_workload(pod: PodTemplate, pools: Sequence[Pool], report: _Report) -> None:
     for c in pod.containers():
         res = _map(c.get("resources"))
-        requests, limits = _map(res.get("requests")), _map(res.get("limits"))
+        requests = {str(k): v for k, v in _map(res.get("requests")).items()}
+        limits = {str(k): v for k, v in _map(res.get("limits")).items()}
         for name in sorted(set(requests) | set(limits)):
             if not (name.startswith(NITRO_PREFIX) or name.startswith("hugepages-")):
                 continue
@@ -865,7 +878,8 @@ def parse_documents(text: str, source: str) -> list[SourcedObject]:
     """Objects of a multi-document YAML text (List kinds expanded; non-objects skipped)."""
     try:
         docs = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        # ValueError: e.g. an impossible date (2001-02-30) that YAML resolves as a timestamp.
         raise LoadError(f"{source}: not valid YAML: {exc}") from None
     out: list[SourcedObject] = []
     for i, doc in enumerate(docs):

@@ -4,17 +4,22 @@ fixtures/ yields exactly the finding its first line names."""
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import re
 from decimal import Decimal
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from attestmesh.lint import (
     Code,
+    LoadError,
     Severity,
     SourcedObject,
     add_parser,
@@ -47,12 +52,19 @@ def _objects(path: Path) -> list[SourcedObject]:
     return parse_documents(path.read_text(), path.relative_to(MANIFESTS.parent).as_posix())
 
 
-def correct_set() -> list[SourcedObject]:
+@cache
+def _correct_set() -> tuple[SourcedObject, ...]:
     objs: list[SourcedObject] = []
     for path in [*NODE_FILES, WORKLOAD]:
         objs.extend(_objects(path))
     objs.append(SourcedObject(DP_SOURCE, 0, patched_device_plugin()))
-    return objs
+    return tuple(objs)
+
+
+def correct_set() -> list[SourcedObject]:
+    """The guide's setup as shipped: nodes/nitro, the patched device plugin, the workload
+    (a fresh deep copy each time)."""
+    return [SourcedObject(o.source, o.index, copy.deepcopy(o.obj)) for o in _correct_set()]
 
 
 def _key(o: SourcedObject) -> tuple[str, str, str]:
@@ -281,3 +293,65 @@ def test_main_usage_error_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["lint"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# robustness: lint never crashes on malformed objects
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**40), max_value=10**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["4Gi", "1e99", "1e5", "²", "9" * 60, "Exists", "NoSchedule", "enabled"]),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.integers()), inner, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.extend(_paths(v, (*prefix, k)))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out.extend(_paths(v, (*prefix, i)))
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_lint_survives_any_value_anywhere(data: st.DataObject) -> None:
+    objs = correct_set()
+    index = data.draw(st.integers(0, len(objs) - 1))
+    doc = copy.deepcopy(dict(objs[index].obj))
+    path = data.draw(st.sampled_from(_paths(doc)))
+    node: Any = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = data.draw(_values)
+    objs[index] = SourcedObject("mutated", 0, doc)
+    findings = lint(objs)
+    assert all(f.code in Code for f in findings)
+
+
+def test_impossible_yaml_timestamp_is_a_load_error() -> None:
+    with pytest.raises(LoadError):
+        parse_documents("a: 2001-02-30", "x")
+
+
+@given(st.text(max_size=200))
+def test_parse_documents_raises_only_load_error(text: str) -> None:
+    try:
+        objs = parse_documents(text, "x")
+    except LoadError:
+        return
+    assert all(isinstance(o, SourcedObject) for o in objs)
