@@ -129,26 +129,32 @@ class _Reader:
         return int.from_bytes(self.take(3, what), "little")
 
 
+_BLOCK_HEADER = struct.Struct("<BBHBH")  # index, spec, size, DMTF value type, DMTF value size
+
+
 def _parse_blocks(record: bytes, count: int) -> tuple[MeasurementBlock, ...]:
-    r = _Reader(record)
     blocks: list[MeasurementBlock] = []
     seen: set[int] = set()
+    pos, end = 0, len(record)
     for _ in range(count):
-        index = r.u8("measurement index")
-        spec = r.u8("measurement specification")
-        size = r.u16("measurement size")
-        body = _Reader(r.take(size, "measurement"))
+        if pos + 4 > end:
+            raise EvidenceFormatError("truncated", f"measurement block header at {pos}")
+        if pos + _BLOCK_HEADER.size > end:
+            raise EvidenceFormatError("truncated", f"DMTF header at {pos}")
+        index, spec, size, value_type, value_size = _BLOCK_HEADER.unpack_from(record, pos)
         if spec != DMTF_SPEC:
             raise EvidenceFormatError("spdm_invalid", f"block {index}: specification {spec}")
-        value_type = body.u8("DMTF value type")
-        value = body.take(body.u16("DMTF value size"), "DMTF value")
-        if body.pos != size:
+        if pos + 4 + size > end:
+            raise EvidenceFormatError("truncated", f"block {index} needs {size} bytes")
+        if value_size + 3 != size:
             raise EvidenceFormatError("spdm_invalid", f"block {index}: size mismatch")
         if index in seen:
             raise EvidenceFormatError("spdm_invalid", f"block {index} repeated")
         seen.add(index)
-        blocks.append(MeasurementBlock(index, value_type, value))
-    if r.pos != len(record):
+        start = pos + _BLOCK_HEADER.size
+        blocks.append(MeasurementBlock(index, value_type, record[start : start + value_size]))
+        pos += 4 + size
+    if pos != end:
         raise EvidenceFormatError("spdm_invalid", "measurement record length mismatch")
     return tuple(blocks)
 
