@@ -683,6 +683,13 @@ def _get(obj: Mapping[str, Any], key: str, kind: type[_T], what: str) -> _T:
     return value
 
 
+def _opt_int(obj: Mapping[str, Any], key: str) -> int:
+    value = obj.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _collateral_error(f"{key} is not an integer")
+    return value
+
+
 def _time(value: str, what: str) -> datetime:
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -749,7 +756,7 @@ def _module_identity(obj: object, what: str, *, with_levels: bool) -> ModuleIden
     if not isinstance(obj, dict):
         raise _collateral_error(f"{what} is not an object")
     return ModuleIdentity(
-        id=obj.get("id", "") if isinstance(obj.get("id", ""), str) else "",
+        id=_get(obj, "id", str, what) if with_levels else "",
         mrsigner=_hexfield(obj, "mrsigner", 48, what),
         attributes=_hexfield(obj, "attributes", 8, what),
         attributes_mask=_hexfield(obj, "attributesMask", 8, what),
@@ -815,7 +822,7 @@ def parse_tcb_info(body: bytes) -> TcbInfo:
         next_update=_time(_get(doc, "nextUpdate", str, "tcbInfo"), "nextUpdate"),
         fmspc=_hexfield(doc, "fmspc", 6, "tcbInfo"),
         pce_id=_hexfield(doc, "pceId", 2, "tcbInfo"),
-        eval_data_number=int(doc.get("tcbEvaluationDataNumber", 0) or 0),
+        eval_data_number=_opt_int(doc, "tcbEvaluationDataNumber"),
         levels=tuple(levels),
         tdx_module=tdx_module,
         tdx_module_identities=identities,
@@ -842,7 +849,7 @@ def parse_enclave_identity(body: bytes) -> EnclaveIdentity:
         attributes_mask=_hexfield(doc, "attributesMask", 16, what),
         mrsigner=_hexfield(doc, "mrsigner", 32, what),
         isv_prod_id=_get(doc, "isvprodid", int, what),
-        eval_data_number=int(doc.get("tcbEvaluationDataNumber", 0) or 0),
+        eval_data_number=_opt_int(doc, "tcbEvaluationDataNumber"),
         levels=_isv_levels(doc.get("tcbLevels"), what),
     )
 

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Tee
-from certs.evidence.intel_dcap import TdReport, parse_quote
+from certs.evidence.intel_dcap import (
+    TdReport,
+    parse_collateral,
+    parse_enclave_identity,
+    parse_quote,
+    parse_tcb_info,
+    split_signed_response,
+)
 from certs.evidence.tdx import TdxVerifier
 from tests.unit.evidence import dcap_fixtures as fx
 from tests.vectors import VECTORS, pin
@@ -267,3 +274,36 @@ def test_parser_on_tdx_headers_with_random_rest(rest: bytes) -> None:
         parse_quote(V4.quote[:48] + rest)
     with contextlib.suppress(EvidenceFormatError):
         parse_quote(V5.quote[:54] + rest)
+
+
+# ---- collateral parsers: arbitrary input raises only the verification error -----------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 300) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _mutated_tcb_info() -> st.SearchStrategy[bytes]:
+    base = json.loads(json.loads(V4.collateral["collateral_json"])["tcb_info"])
+    keys = sorted(base)
+    return st.builds(lambda k, v: json.dumps({**base, k: v}).encode(), st.sampled_from(keys), _json)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=300), _json.map(lambda j: json.dumps(j).encode()), _mutated_tcb_info()
+    )
+)
+def test_collateral_parsers_raise_only_verification_errors(data: bytes) -> None:
+    for parse in (parse_tcb_info, parse_enclave_identity):
+        with contextlib.suppress(EvidenceVerificationError):
+            parse(data)
+    with contextlib.suppress(EvidenceVerificationError):
+        split_signed_response(data, "tcbInfo")
+    with contextlib.suppress(EvidenceVerificationError):
+        parse_collateral({"collateral_json": data})
