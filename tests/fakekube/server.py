@@ -282,6 +282,8 @@ class FakeKube:
         self.requests: list[tuple[str, str, str]] = []
         self._changed = asyncio.Condition()
         self._closing = False
+        self._epoch = 0
+        self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -348,11 +350,25 @@ class FakeKube:
         """Answer the next matching request with ``code`` (a Status)."""
         self.fail_next.append((method, path_contains, code))
 
-    def compact(self) -> int:
-        """Drop the watch history: watches from an older resourceVersion get 410 Gone."""
+    def compact(self, *, drop_watches: bool = False) -> int:
+        """Drop the watch history: watches from an older resourceVersion get 410 Gone. With
+        ``drop_watches`` open watches also end with a 410 ERROR event (as when the server's
+        watch cache is reset under them)."""
         self.compacted = self.rv
         self.history.clear()
+        if drop_watches:
+            self._epoch += 1
+            self._notify_soon()
         return self.compacted
+
+    def _notify_soon(self) -> None:
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        task = asyncio.get_running_loop().create_task(notify())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def rtype(self, plural: str, group: str = "", version: str = "") -> ResourceType:
         for (g, v, p), r in self.types.items():
@@ -705,10 +721,10 @@ class FakeKube:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         last_bookmark = loop.time()
-        sent = start
+        sent, epoch = start, self._epoch
         try:
             while not self._closing:
-                if sent < self.compacted:
+                if sent < self.compacted or epoch != self._epoch:
                     await send("ERROR", status_object(410, "Expired", "too old resource version"))
                     break
                 snapshot, top = list(self.history), self.rv
@@ -734,7 +750,7 @@ class FakeKube:
                     )
                 wait = min(deadline - now, self.bookmark_interval if bookmarks else deadline - now)
                 async with self._changed:
-                    if self.rv == sent and not self._closing:
+                    if self.rv == sent and not self._closing and epoch == self._epoch:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self._changed.wait(), max(wait, 0.01))
         except ConnectionResetError:
