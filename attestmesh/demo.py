@@ -171,7 +171,17 @@ async def until_async(check: Callable[[], Awaitable[bool]], timeout_s: float) ->
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    exit_code: int
+    timings_ms: dict[str, float]
+
+
 async def run_demo(workdir: Path | None = None) -> int:
+    return (await run_demo_measured(workdir)).exit_code
+
+
+async def run_demo_measured(workdir: Path | None = None) -> DemoResult:
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, at start)
         return await _demo(workdir)
@@ -179,7 +189,7 @@ async def run_demo(workdir: Path | None = None) -> int:
         return await _demo(Path(tmp))
 
 
-async def _demo(root: Path) -> int:
+async def _demo(root: Path) -> DemoResult:
     tl = Timeline()
     expect = Expectations()
     print(f"attestmesh demo (state in {root})", flush=True)
@@ -192,6 +202,7 @@ async def _demo(root: Path) -> int:
     )
     ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
     settings = write_config(root, ports, sim_pub)
+    timings: dict[str, float] = {}
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     envoys: list[EnvoyProcess] = []
@@ -306,6 +317,12 @@ async def _demo(root: Path) -> int:
                 still = await call(session, fe_to_be)
                 expect.check(f"frontend -> backend stays refused ({still})", still[0] != 200)
                 print("\nTimeline (ms)", flush=True)
+                timings = {
+                    "start_to_first_mtls_request": t_first,
+                    "reattestation_to_decision": t_decision - t_tamper,
+                    "decision_to_frontend_refused": t_r1 - t_decision,
+                    "decision_to_backend_refused": t_r2 - t_decision,
+                }
                 print(f"  start -> first mTLS request          {t_first:9.1f}")
                 print(f"  tampered re-attestation -> decision  {t_decision - t_tamper:9.1f}")
                 print(f"  decision -> frontend->backend refused {t_r1 - t_decision:8.1f}")
@@ -326,4 +343,4 @@ async def _demo(root: Path) -> int:
         f"\n{'ALL EXPECTATIONS HELD' if expect.all_held else 'SOME EXPECTATIONS FAILED'}",
         flush=True,
     )
-    return 0 if expect.all_held else 1
+    return DemoResult(0 if expect.all_held else 1, timings)
