@@ -100,8 +100,8 @@ def parse_report(evidence: bytes) -> SimReport:
             "truncated", f"expected {end + SIG_LEN} bytes, got {len(evidence)}"
         )
     try:
-        body = json.loads(evidence[len(MAGIC) + 2 : end])
-    except (UnicodeDecodeError, ValueError):
+        body = json.loads(evidence[len(MAGIC) + 2 : end].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting: RecursionError
         raise EvidenceFormatError("body_invalid", "body is not JSON") from None
     if not isinstance(body, dict) or set(body) != set(_FIELDS):
         raise EvidenceFormatError("body_invalid", f"body must have exactly {sorted(_FIELDS)}")
