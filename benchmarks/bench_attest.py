@@ -5,6 +5,7 @@ verify + leaf signature). Run: python -m benchmarks.bench_attest [N]"""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import statistics
 import sys
 import tempfile
@@ -14,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import ControlPlane
@@ -59,8 +60,6 @@ def make_cp(root: Path, publisher: object, platform: ec.EllipticCurvePrivateKey)
             }
         ]
     )
-    import secrets
-
     cp = ControlPlane(
         state=MeshState("bench.local"),
         store=SqliteStore(root / "s.sqlite3"),
@@ -78,11 +77,12 @@ def make_cp(root: Path, publisher: object, platform: ec.EllipticCurvePrivateKey)
     )
     cp.register(
         [
-            Registration(f"w{i}", "default", f"w{i}", f"w{i}", Endpoint("127.0.0.1", 20000 + i), 30000 + i,
-                         {f"w{1 - i}": 40000 + i})
+            Registration(
+                f"w{i}", "default", f"w{i}", f"w{i}", Endpoint("127.0.0.1", 20000 + i), 30000 + i
+            )
             for i in range(2)
         ]
-    )  # fmt: skip
+    )
     return cp
 
 
@@ -140,7 +140,6 @@ async def main(n: int) -> None:
                       ("  + xDS snapshots rebuilt for the mesh        ", xds)):  # fmt: skip
         m = statistics.median(xs) * 1e3
         print(f"  {label}{m:7.3f} ms  {m / med_b:5.2f}x")
-    _ = serialization
 
 
 if __name__ == "__main__":
