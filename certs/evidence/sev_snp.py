@@ -22,6 +22,11 @@ MGF1-SHA-384, salt 48), every certificate valid at ``now``, the ARK pinned, the 
 the report signature (ECDSA P-384/SHA-384, little-endian R and S) over bytes 0x000-0x29F, the
 signing-key kind (flags) consistent with the certificate supplied, the certificate's TCB
 extensions equal to ``reported_tcb``, and (VCEK only) the hwID extension equal to ``chip_id``.
+The report signature is checked before the TCB/hwID comparison: a report that does not verify
+under the given key is ``signature_invalid`` (its detail names a TCB/chip mismatch when the
+certificate looks like the wrong one); ``tcb_mismatch``/``chip_id_mismatch`` mean an authentic
+report whose certificate extensions disagree with it. ``Claims.platform_id`` is ``None`` when
+the chip id is masked (VLEK reports, or MASK_CHIP_ID set).
 
 Reasons (``EvidenceVerificationError.reason``): ``signature_invalid``, ``chain_invalid``,
 ``untrusted_root``, ``certificate_expired``, ``certificate_not_yet_valid``, ``tcb_mismatch``,
