@@ -177,7 +177,7 @@ def record_attestation(
 ) -> tuple[MeshState, list[Event]]:
     """A fresh successful attestation issued ``cert``; re-attestation is due at ``due``."""
     w = ensure_may_issue(state, name)
-    live = tuple(c for c in w.certificates if c.not_after > now) + (cert,)
+    live = (*(c for c in w.certificates if c.not_after > now), cert)
     new = replace(
         w,
         status=Status.ATTESTED,

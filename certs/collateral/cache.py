@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,7 +67,7 @@ class DiskCache:
         for path, data in ((body_path, entry.body), (meta_path, json.dumps(meta).encode())):
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_bytes(data)
-            os.replace(tmp, path)
+            tmp.replace(path)
 
 
 Fetch = Callable[[str], Awaitable[bytes]]

@@ -73,7 +73,7 @@ class ControlPlaneProcess:
 
 async def eventually(check: object, timeout_s: float = 15.0) -> None:
     async with asyncio.timeout(timeout_s):
-        while not await check():  # type: ignore[operator]  # noqa: ASYNC110
+        while not await check():  # type: ignore[operator]
             await asyncio.sleep(0.02)
 
 
