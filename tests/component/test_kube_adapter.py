@@ -33,7 +33,6 @@ from xds.kube import (
 from xds.meshpolicy import MeshPolicy
 from xds.state import (
     Endpoint,
-    IssuedCert,
     MeshState,
     Registration,
     Trigger,
@@ -428,7 +427,6 @@ async def test_release_and_reapply_from_persisted_state(kube: FakeKube) -> None:
     state, _ = register(state, local, T0)
     state, _ = quarantine(state, "shop/web-0", Trigger.VERIFICATION_FAILED, "chain_invalid: x", T0)
     state, _ = quarantine(state, "local-1", Trigger.OPERATOR, "manual", T0)
-    assert IssuedCert  # state module imported for its types
     actions = KubeActions(kc(kube), clock=lambda: T0)
     first = await actions.reapply(state)
     second = await actions.reapply(state)  # e.g. after a restart
