@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from certs.binding import expected_report_data
+from certs.ca import CsrError
+from certs.errors import EvidenceFormatError
+from certs.evidence.claims import Tee
+from certs.evidence.sim import SimVerifier, build_report
+from certs.issuance import AttestRequest, EvidenceRejected, Verified, decide, verify_request
+from certs.policy import Admitted, parse_policies
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    NOW,
+    OTHER_MEASUREMENT,
+    claims,
+    csr_pem,
+    new_key,
+    policy_doc,
+    spki,
+)
+
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+VERIFIERS: Any = {Tee.SIM: SimVerifier([PLATFORM.public_key()])}
+NONCE = bytes(range(32))
+
+
+def _request(
+    *,
+    key: ec.EllipticCurvePrivateKey | None = None,
+    bound_key: ec.EllipticCurvePrivateKey | None = None,
+    nonce: bytes = NONCE,
+    bound_nonce: bytes = NONCE,
+    tee: str = "sim",
+    evidence: bytes | None = None,
+    csr: bytes | None = None,
+    measurement: bytes = MEASUREMENT,
+) -> AttestRequest:
+    key = key or new_key()
+    rd = expected_report_data(bound_nonce, spki(bound_key or key))
+    if evidence is None:
+        evidence = build_report(PLATFORM, report_data=rd, measurement=measurement)
+    return AttestRequest("web-1", tee, evidence, csr if csr is not None else csr_pem(key), nonce)
+
+
+def _rejected(req: AttestRequest, verifiers: Any = VERIFIERS) -> EvidenceRejected:
+    with pytest.raises(EvidenceRejected) as info:
+        verify_request(req, verifiers, NOW)
+    return info.value
+
+
+def test_verify_request_returns_the_csr_and_claims() -> None:
+    key = new_key()
+    verified = verify_request(_request(key=key), VERIFIERS, NOW)
+    assert verified.csr.public_key() == key.public_key()
+    assert verified.claims.tee is Tee.SIM
+    assert verified.claims.measurements == {"measurement": MEASUREMENT.hex()}
+
+
+def test_bad_csr_is_a_request_error_not_a_rejection() -> None:
+    with pytest.raises(CsrError) as info:
+        verify_request(_request(csr=b"garbage"), VERIFIERS, NOW)
+    assert info.value.reason == "csr_malformed"
+
+
+def test_unknown_tee() -> None:
+    exc = _rejected(_request(tee="tpm"))
+    assert (exc.reason, exc.tee) == ("tee_unknown", "unknown")
+
+
+def test_tee_without_verifier_is_not_supported() -> None:
+    exc = _rejected(_request(), verifiers={})
+    assert (exc.reason, exc.tee) == ("tee_not_supported", Tee.SIM)
+    exc = _rejected(_request(tee="tdx"))
+    assert (exc.reason, exc.tee) == ("tee_not_supported", Tee.TDX)
+
+
+def test_verifier_errors_keep_their_reason_and_cause() -> None:
+    exc = _rejected(_request(evidence=b"AMSIM1\x00"))
+    assert exc.reason == "truncated" and exc.tee == Tee.SIM
+    assert isinstance(exc.__cause__, EvidenceFormatError)
+    assert exc.reasons == (f"truncated: {exc.detail}",)
+    other = ec.generate_private_key(ec.SECP256R1())
+    exc = _rejected(_request(), verifiers={Tee.SIM: SimVerifier([other.public_key()])})
+    assert exc.reason == "signature_invalid"
+
+
+def test_evidence_bound_to_another_key_is_binding_mismatch() -> None:
+    exc = _rejected(_request(bound_key=new_key()))
+    assert exc.reason == "binding_mismatch" and exc.tee == Tee.SIM
+
+
+def test_evidence_bound_to_another_nonce_is_binding_mismatch() -> None:
+    exc = _rejected(_request(bound_nonce=bytes(32)))
+    assert exc.reason == "binding_mismatch"
+
+
+def _verified(**overrides: Any) -> Verified:
+    return Verified(csr=None, claims=claims(**overrides))  # type: ignore[arg-type]
+
+
+def test_decide_admits_with_the_governing_ttl() -> None:
+    policies = parse_policies([policy_doc(certificateTTL="10m", reattestationInterval="5m")])
+    admitted = decide(_verified(), policies, NOW)
+    assert isinstance(admitted, Admitted)
+    assert admitted.certificate_ttl == timedelta(minutes=10)
+    assert admitted.policy == "default/pol"
+
+
+def test_decide_raises_with_every_reason() -> None:
+    policies = parse_policies([policy_doc()])
+    with pytest.raises(EvidenceRejected) as info:
+        decide(
+            _verified(debug=True, measurements={"measurement": OTHER_MEASUREMENT.hex()}),
+            policies,
+            NOW,
+        )
+    exc = info.value
+    assert exc.reason == "debug_not_allowed" and exc.tee == Tee.SIM
+    assert [r.split(":")[0] for r in exc.reasons] == [
+        "debug_not_allowed",
+        "measurement_not_allowed",
+    ]
+
+
+def test_decide_without_policy_is_no_policy() -> None:
+    with pytest.raises(EvidenceRejected) as info:
+        decide(_verified(), (), NOW)
+    assert info.value.reason == "no_policy"
