@@ -33,6 +33,9 @@ Per TEE (pod annotation ``attestmesh.dev/tee``, else the namespace label of the 
   requires NFD's ``feature.node.kubernetes.io/cpu-security.sgx.enabled=true``.
 - ``sim``: nothing extra.
 
+Opt-out: pod annotation ``attestmesh.dev/inject: "false"`` or pod label
+``attestmesh.dev/inject: disabled`` (the label is what the webhook's objectSelector can see).
+
 Decisions (``MutationResult``): opted out, not opted in, already injected, or the control-plane
 namespace -> allowed with an empty patch. A pod the injector cannot make correct (host network,
 a container or volume name already used by the injector, an unknown TEE) -> denied with a clear
@@ -445,8 +448,10 @@ def mutate(
     namespace = meta.get("namespace", "")
     if namespace == config.control_plane_namespace:
         return MutationResult(Decision.CONTROL_PLANE, message="control-plane namespace")
+    labels_raw = meta.get("labels")
+    pod_labels: Mapping[str, Any] = labels_raw if isinstance(labels_raw, Mapping) else {}
     opt = str(annotations.get(ANNOTATION_INJECT, "")).lower()
-    if opt == "false":
+    if opt == "false" or pod_labels.get(LABEL_INJECT) == "disabled":
         return MutationResult(Decision.OPTED_OUT, message=f"{ANNOTATION_INJECT}=false")
     if opt != "true" and ns_labels.get(LABEL_INJECT) != "enabled":
         return MutationResult(Decision.NOT_SELECTED, message="namespace and pod not opted in")
@@ -562,7 +567,7 @@ def webhook_counter(registry: CollectorRegistry) -> Counter:
 def build_app(
     config: InjectConfig, namespaces: NamespaceLabels, requests_total: Counter
 ) -> web.Application:
-    """The webhook app: POST /mutate (AdmissionReview v1), GET /healthz."""
+    """The webhook app: POST /mutate and /mutate/pods (AdmissionReview v1), GET /healthz."""
 
     async def mutate_handler(request: web.Request) -> web.Response:
         body = await request.read()
@@ -587,6 +592,7 @@ def build_app(
 
     app = web.Application(client_max_size=MAX_BODY + 1)
     app.router.add_post("/mutate", mutate_handler)
+    app.router.add_post("/mutate/pods", mutate_handler)  # the path manifests/base/webhook.yaml uses
     app.router.add_get("/healthz", healthz)
     return app
 

@@ -88,9 +88,14 @@ async def webhook() -> AsyncIterator[Webhook]:
     await runner.cleanup()
 
 
-async def test_healthz(webhook: Webhook) -> None:
+async def test_healthz_and_manifest_path(webhook: Webhook) -> None:
     async with webhook.session.get(f"{webhook.url}/healthz") as resp:
         assert resp.status == 200 and await resp.text() == "ok"
+    async with webhook.session.post(
+        f"{webhook.url}/mutate/pods", json=review(pod("p"), "u-path")
+    ) as resp:
+        body = await resp.json()
+    assert body["response"]["uid"] == "u-path" and body["response"]["patchType"] == "JSONPatch"
 
 
 @pytest.mark.parametrize("tee", ["sim", "nitro", "sev-snp", "tdx", "sgx"])

@@ -271,6 +271,13 @@ def test_not_selected_and_opt_out_give_empty_patches() -> None:
     assert result.allowed and result.patch == ()
 
 
+def test_opt_out_by_pod_label() -> None:
+    p = pod()
+    p["metadata"]["labels"]["attestmesh.dev/inject"] = "disabled"
+    result = mutate(p, ENABLED, CFG)
+    assert result.decision is Decision.OPTED_OUT and result.patch == ()
+
+
 def test_control_plane_namespace_is_never_injected() -> None:
     p = pod(ns="attestmesh-system")
     p["metadata"]["annotations"][ANNOTATION_INJECT] = "true"
