@@ -178,7 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # `verify` gives exit status 2 to invalid evidence; its usage errors are 3.
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if exc.code == 2 and command == "verify":
+            raise SystemExit(3) from None
+        raise
     quiet = args.command in ("demo", "verify", "lint", "bootstrap", "quarantine")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
