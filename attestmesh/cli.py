@@ -170,9 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_quarantine)
 
-    from attestmesh import verify_cmd
+    from attestmesh import lint, verify_cmd
 
     verify_cmd.add_parser(sub)
+    lint.add_parser(sub).set_defaults(func=lint.run)
     return p
 
 

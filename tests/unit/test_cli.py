@@ -9,7 +9,7 @@ import pytest
 
 from attestmesh.cli import build_parser, main
 
-COMMANDS = ["controlplane", "agent", "bootstrap", "demo", "quarantine", "verify"]
+COMMANDS = ["controlplane", "agent", "bootstrap", "demo", "quarantine", "verify", "lint"]
 
 
 def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,14 +8,13 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import celpy  # a declared test dependency: missing means failing, never skipping
 import pytest
 
 from certs.errors import PolicyError
 from certs.policy import parse_policies
 from tests.unit.manifests.helpers import MANIFESTS, load_yaml_docs
 from xds.meshpolicy import parse_mesh_policies
-
-celpy = pytest.importorskip("celpy", reason="cel-python is needed to evaluate CRD CEL rules")
 
 CRDS = {
     d["spec"]["names"]["kind"]: d["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
