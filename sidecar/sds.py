@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 from pathlib import Path
 
 import grpclib.const
 import grpclib.server
-from envoy_data_plane.envoy.config.core.v3 import DataSource
-from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import Secret, TlsCertificate
-from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest
+from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
 from xds import pb
@@ -26,6 +25,13 @@ from xds.build import Snapshot
 from xds.cache import SnapshotCache
 from xds.resources import SDS_SERVICE, WORKLOAD_CERT, TypeUrl
 from xds.server import serve_sotw_stream, warm
+
+with warnings.catch_warnings():
+    # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
+    warnings.simplefilter("ignore", PydanticDeprecatedSince212)
+    from envoy_data_plane.envoy.config.core.v3 import DataSource
+    from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import Secret, TlsCertificate
+    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest
 
 _LOCAL = "local"  # every stream on the socket is the local Envoy: one cache slot
 

@@ -21,77 +21,14 @@ resources between nodes and successive snapshots (e.g. the trust secret, a servi
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 
 import betterproto2
-from envoy_data_plane.envoy.config.cluster.v3 import (
-    Cluster,
-    ClusterDiscoveryType,
-    ClusterEdsClusterConfig,
-)
-from envoy_data_plane.envoy.config.core.v3 import (
-    Address,
-    AggregatedConfigSource,
-    ApiConfigSource,
-    ApiConfigSourceApiType,
-    ApiVersion,
-    ConfigSource,
-    DataSource,
-    GrpcService,
-    GrpcServiceEnvoyGrpc,
-    SocketAddress,
-    TransportSocket,
-)
-from envoy_data_plane.envoy.config.endpoint.v3 import (
-    ClusterLoadAssignment,
-    Endpoint,
-    LbEndpoint,
-    LocalityLbEndpoints,
-)
-from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
-from envoy_data_plane.envoy.config.rbac.v3 import (
-    Permission as RbacPermission,
-)
-from envoy_data_plane.envoy.config.rbac.v3 import (
-    PermissionSet,
-    Policy,
-    Principal,
-    PrincipalAuthenticated,
-    RbacAction,
-)
-from envoy_data_plane.envoy.config.rbac.v3 import Rbac as RbacRules
-from envoy_data_plane.envoy.config.route.v3 import (
-    HeaderMatcher,
-    Route,
-    RouteAction,
-    RouteConfiguration,
-    RouteMatch,
-    VirtualHost,
-)
-from envoy_data_plane.envoy.extensions.filters.http.rbac.v3 import Rbac as RbacFilter
-from envoy_data_plane.envoy.extensions.filters.http.rbac.v3 import RbacPerRoute
-from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
-from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
-    HttpConnectionManager,
-    HttpFilter,
-    Rds,
-)
-from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
-    CertificateValidationContext,
-    CommonTlsContext,
-    CommonTlsContextCombinedCertificateValidationContext,
-    DownstreamTlsContext,
-    SdsSecretConfig,
-    Secret,
-    SubjectAltNameMatcher,
-    SubjectAltNameMatcherSanType,
-    UpstreamTlsContext,
-)
-from envoy_data_plane.envoy.type.matcher.v3 import PathMatcher, StringMatcher
-from envoy_data_plane.google.protobuf import Any as AnyMsg
+from pydantic.warnings import PydanticDeprecatedSince212
 
 from xds import pb
 from xds.meshpolicy import HttpMatch, MeshPolicy, Permission, compile_permissions
@@ -107,6 +44,75 @@ from xds.resources import (
     outbound_name,
 )
 from xds.state import MeshState, Registration, Status
+
+with warnings.catch_warnings():
+    # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
+    warnings.simplefilter("ignore", PydanticDeprecatedSince212)
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        Cluster,
+        ClusterDiscoveryType,
+        ClusterEdsClusterConfig,
+    )
+    from envoy_data_plane.envoy.config.core.v3 import (
+        Address,
+        AggregatedConfigSource,
+        ApiConfigSource,
+        ApiConfigSourceApiType,
+        ApiVersion,
+        ConfigSource,
+        DataSource,
+        GrpcService,
+        GrpcServiceEnvoyGrpc,
+        SocketAddress,
+        TransportSocket,
+    )
+    from envoy_data_plane.envoy.config.endpoint.v3 import (
+        ClusterLoadAssignment,
+        Endpoint,
+        LbEndpoint,
+        LocalityLbEndpoints,
+    )
+    from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+    from envoy_data_plane.envoy.config.rbac.v3 import (
+        Permission as RbacPermission,
+    )
+    from envoy_data_plane.envoy.config.rbac.v3 import (
+        PermissionSet,
+        Policy,
+        Principal,
+        PrincipalAuthenticated,
+        RbacAction,
+    )
+    from envoy_data_plane.envoy.config.rbac.v3 import Rbac as RbacRules
+    from envoy_data_plane.envoy.config.route.v3 import (
+        HeaderMatcher,
+        Route,
+        RouteAction,
+        RouteConfiguration,
+        RouteMatch,
+        VirtualHost,
+    )
+    from envoy_data_plane.envoy.extensions.filters.http.rbac.v3 import Rbac as RbacFilter
+    from envoy_data_plane.envoy.extensions.filters.http.rbac.v3 import RbacPerRoute
+    from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpConnectionManager,
+        HttpFilter,
+        Rds,
+    )
+    from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
+        CertificateValidationContext,
+        CommonTlsContext,
+        CommonTlsContextCombinedCertificateValidationContext,
+        DownstreamTlsContext,
+        SdsSecretConfig,
+        Secret,
+        SubjectAltNameMatcher,
+        SubjectAltNameMatcherSanType,
+        UpstreamTlsContext,
+    )
+    from envoy_data_plane.envoy.type.matcher.v3 import PathMatcher, StringMatcher
+    from envoy_data_plane.google.protobuf import Any as AnyMsg
 
 HCM = "envoy.filters.network.http_connection_manager"
 RBAC_FILTER = "envoy.filters.http.rbac"

@@ -21,14 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import grpclib.const
 import grpclib.server
-from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 from grpclib.exceptions import GRPCError, StreamTerminatedError
+from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
 from xds import pb
@@ -44,6 +45,11 @@ from xds.state import (
     record_attestation,
     register,
 )
+
+with warnings.catch_warnings():
+    # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
+    warnings.simplefilter("ignore", PydanticDeprecatedSince212)
+    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 
 log = logging.getLogger(__name__)
 
