@@ -31,6 +31,9 @@ def _controlplane(args: argparse.Namespace) -> int:
         ops_port=args.ops_port,
         sim_platform_keys=tuple(args.sim_platform_key or ()),
         roots_dir=args.roots,
+        amd_kds_url=args.amd_kds_url,
+        intel_pcs_url=args.intel_pcs_url,
+        intel_root_ca_crl_url=args.intel_root_ca_crl_url,
     )
 
     async def main() -> None:
@@ -138,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--xds-port", type=int, default=18000)
     cp.add_argument("--ops-port", type=int, default=9090)
     cp.add_argument("--roots", type=Path, help="directory overriding the bundled vendor roots")
+    cp.add_argument("--amd-kds-url", help="AMD KDS base URL (fetch VCEKs and chains, cached)")
+    cp.add_argument("--intel-pcs-url", help="Intel PCS base URL (TCB info, QE identity, CRLs)")
+    cp.add_argument("--intel-root-ca-crl-url", help="where the Intel SGX Root CA CRL is served")
     cp.add_argument(
         "--sim-platform-key",
         type=Path,

@@ -10,12 +10,13 @@ import contextlib
 import logging
 import secrets
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from aiohttp import web
 from cryptography import x509
@@ -25,12 +26,16 @@ from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from attestmesh.controlplane import ControlPlane
+from attestmesh.controlplane import CollateralSource, ControlPlane
 from attestmesh.metrics import Metrics
 from certs import api
 from certs.ca import CertificateAuthority, build_server_cert
+from certs.collateral.amd_kds import KdsCollateralSource
+from certs.collateral.cache import DiskCache, http_fetcher
+from certs.collateral.intel_pcs import PcsCollateralSource, http_fetcher_with_headers
 from certs.collateral.roots import load_roots
 from certs.errors import AttestmeshError, PolicyError
+from certs.evidence.claims import Tee
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.policy import parse_policies
@@ -58,6 +63,9 @@ class ControlPlaneSettings:
     registrations_file: Path | None = None
     sim_platform_keys: tuple[Path, ...] = ()
     roots_dir: Path | None = None
+    amd_kds_url: str | None = None
+    intel_pcs_url: str | None = None
+    intel_root_ca_crl_url: str | None = None
     deadline_check: timedelta = timedelta(seconds=1)
     policy_poll: timedelta = timedelta(seconds=2)
     server_names: tuple[str, ...] = field(default=("localhost",))
@@ -122,8 +130,35 @@ def _server_tls(
     return ctx
 
 
+def build_collateral_sources(
+    settings: ControlPlaneSettings, session: aiohttp.ClientSession
+) -> dict[Tee, CollateralSource]:
+    """Online vendor collateral (AMD KDS, Intel PCS) through an on-disk cache, when configured."""
+    cache = DiskCache(settings.state_dir / "collateral")
+    sources: dict[Tee, CollateralSource] = {}
+    if settings.amd_kds_url:
+        sources[Tee.SEV_SNP] = KdsCollateralSource(
+            settings.amd_kds_url, cache, http_fetcher(session)
+        )
+    if settings.intel_pcs_url:
+        kwargs = (
+            {"root_ca_crl_url": settings.intel_root_ca_crl_url}
+            if settings.intel_root_ca_crl_url
+            else {}
+        )
+        pcs = PcsCollateralSource(
+            settings.intel_pcs_url, cache, http_fetcher_with_headers(session), **kwargs
+        )
+        sources[Tee.TDX] = pcs
+        sources[Tee.SGX] = pcs
+    return sources
+
+
 def build_control_plane(
-    settings: ControlPlaneSettings, metrics: Metrics, cache: SnapshotCache
+    settings: ControlPlaneSettings,
+    metrics: Metrics,
+    cache: SnapshotCache,
+    collateral_sources: Mapping[Tee, CollateralSource] | None = None,
 ) -> tuple[ControlPlane, XdsPublisher, SqliteStore]:
     now = datetime.now(UTC)
     ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
@@ -150,6 +185,7 @@ def build_control_plane(
         clock=lambda: datetime.now(UTC),
         serials=x509.random_serial_number,
         random_bytes=secrets.token_bytes,
+        collateral_sources=collateral_sources,
     )
     if settings.registrations_file:
         docs = load_yaml_docs(settings.registrations_file)
@@ -285,7 +321,10 @@ async def run_control_plane(
     metrics = metrics or Metrics()
     warm()
     cache = SnapshotCache()
-    cp, publisher, store = build_control_plane(settings, metrics, cache)
+    session = aiohttp.ClientSession()
+    cp, publisher, store = build_control_plane(
+        settings, metrics, cache, build_collateral_sources(settings, session)
+    )
     tls = _server_tls(cp.ca, settings, datetime.now(UTC))
     api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
     ops_runner = web.AppRunner(build_ops_app(cp, metrics), access_log=None)
@@ -318,4 +357,5 @@ async def run_control_plane(
         await grpc.wait_closed()
         await api_runner.cleanup()
         await ops_runner.cleanup()
+        await session.close()
         store.close()
