@@ -44,7 +44,7 @@ from xds.cache import SnapshotCache
 from xds.meshpolicy import MeshPolicy, parse_mesh_policies
 from xds.registrations import parse_registrations
 from xds.server import AdsServer, warm
-from xds.state import Event, MeshState, Trigger
+from xds.state import Event, MeshState, Registration, Trigger
 from xds.store import SqliteStore
 
 log = logging.getLogger(__name__)
@@ -160,18 +160,23 @@ def build_control_plane(
     cache: SnapshotCache,
     collateral_sources: Mapping[Tee, CollateralSource] | None = None,
 ) -> tuple[ControlPlane, XdsPublisher, SqliteStore]:
-    now = datetime.now(UTC)
-    ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
-    store = SqliteStore(settings.state_dir / "state.sqlite3")
-    state = store.load(settings.trust_domain)
-    sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
-    verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
+    # Everything that can be refused is read before any state is opened.
     policies = parse_policies(load_yaml_docs(settings.policy_file))
     mesh_policies = (
         parse_mesh_policies(load_yaml_docs(settings.mesh_policy_file))
         if settings.mesh_policy_file
         else ()
     )
+    registrations: tuple[Registration, ...] = ()
+    if settings.registrations_file:
+        docs = load_yaml_docs(settings.registrations_file)
+        registrations = parse_registrations(docs[0] if docs else {})
+    sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
+    verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
+    now = datetime.now(UTC)
+    ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
+    store = SqliteStore(settings.state_dir / "state.sqlite3")
+    state = store.load(settings.trust_domain)
     publisher = XdsPublisher(cache)
     cp = ControlPlane(
         state=state,
@@ -187,9 +192,7 @@ def build_control_plane(
         random_bytes=secrets.token_bytes,
         collateral_sources=collateral_sources,
     )
-    if settings.registrations_file:
-        docs = load_yaml_docs(settings.registrations_file)
-        cp.register(parse_registrations(docs[0] if docs else {}))
+    cp.register(registrations)
     cp.publish_all()
     return cp, publisher, store
 
@@ -321,41 +324,40 @@ async def run_control_plane(
     metrics = metrics or Metrics()
     warm()
     cache = SnapshotCache()
-    session = aiohttp.ClientSession()
-    cp, publisher, store = build_control_plane(
-        settings, metrics, cache, build_collateral_sources(settings, session)
-    )
-    tls = _server_tls(cp.ca, settings, datetime.now(UTC))
-    api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
-    ops_runner = web.AppRunner(build_ops_app(cp, metrics), access_log=None)
-    grpc = Server([AdsServer(cache, metrics)])
-    try:
-        await api_runner.setup()
-        await ops_runner.setup()
-        await web.TCPSite(api_runner, settings.host, settings.api_port, ssl_context=tls).start()
-        await web.TCPSite(ops_runner, "127.0.0.1", settings.ops_port).start()
-        await grpc.start(settings.host, settings.xds_port)
-        log.info(
-            "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
-            settings.host,
-            settings.api_port,
-            settings.host,
-            settings.xds_port,
-            settings.ops_port,
+    async with aiohttp.ClientSession() as session:
+        cp, publisher, store = build_control_plane(
+            settings, metrics, cache, build_collateral_sources(settings, session)
         )
-        if ready is not None:
-            ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(_deadlines(cp, settings, stop))
-            tg.create_task(_policy_watch(cp, settings, stop))
-    except AttestmeshError as exc:
-        if ready is not None and not ready.done():
-            ready.set_exception(exc)
-        raise
-    finally:
-        grpc.close()
-        await grpc.wait_closed()
-        await api_runner.cleanup()
-        await ops_runner.cleanup()
-        await session.close()
-        store.close()
+        tls = _server_tls(cp.ca, settings, datetime.now(UTC))
+        api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
+        ops_runner = web.AppRunner(build_ops_app(cp, metrics), access_log=None)
+        grpc = Server([AdsServer(cache, metrics)])
+        try:
+            await api_runner.setup()
+            await ops_runner.setup()
+            await web.TCPSite(api_runner, settings.host, settings.api_port, ssl_context=tls).start()
+            await web.TCPSite(ops_runner, "127.0.0.1", settings.ops_port).start()
+            await grpc.start(settings.host, settings.xds_port)
+            log.info(
+                "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
+                settings.host,
+                settings.api_port,
+                settings.host,
+                settings.xds_port,
+                settings.ops_port,
+            )
+            if ready is not None:
+                ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(_deadlines(cp, settings, stop))
+                tg.create_task(_policy_watch(cp, settings, stop))
+        except AttestmeshError as exc:
+            if ready is not None and not ready.done():
+                ready.set_exception(exc)
+            raise
+        finally:
+            grpc.close()
+            await grpc.wait_closed()
+            await api_runner.cleanup()
+            await ops_runner.cleanup()
+            store.close()
