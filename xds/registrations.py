@@ -8,7 +8,8 @@ from typing import Any
 from certs.errors import PolicyError
 from xds.state import Endpoint, Registration
 
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # used with fullmatch: no trailing "\n"
+_PORT = re.compile(r"[0-9]{1,5}")
 _FIELDS = {
     "name",
     "namespace",
@@ -32,7 +33,7 @@ def parse_endpoint(text: Any) -> Endpoint | None:
     if not isinstance(text, str) or ":" not in text:
         return None
     host, _, port = text.rpartition(":")
-    p = _port(int(port)) if port.isdigit() else None
+    p = _port(int(port)) if _PORT.fullmatch(port) else None
     return Endpoint(host.strip("[]"), p) if host and p else None
 
 
@@ -45,6 +46,7 @@ def parse_registrations(doc: Any) -> tuple[Registration, ...]:
     out: list[Registration] = []
     for i, item in enumerate(items):
         where = f"workloads[{i}]"
+        known = len(problems)
         if not isinstance(item, dict):
             problems.append(f"{where}: must be an object")
             continue
@@ -53,8 +55,14 @@ def parse_registrations(doc: Any) -> tuple[Registration, ...]:
         name = item.get("name")
         ns = item.get("namespace", "default")
         sa = item.get("serviceAccount", name)
-        for field_name, value in (("name", name), ("namespace", ns), ("serviceAccount", sa)):
-            if not isinstance(value, str) or not _NAME.match(value):
+        service = item.get("service", name)
+        for field_name, value in (
+            ("name", name),
+            ("namespace", ns),
+            ("serviceAccount", sa),
+            ("service", service),
+        ):
+            if not isinstance(value, str) or not _NAME.fullmatch(value):
                 problems.append(f"{where}.{field_name}: must be a DNS-1123 label")
         inbound = parse_endpoint(item.get("inbound"))
         if inbound is None:
@@ -69,7 +77,7 @@ def parse_registrations(doc: Any) -> tuple[Registration, ...]:
         else:
             for svc, port in outbound_raw.items():
                 p = _port(port)
-                if not isinstance(svc, str) or not _NAME.match(svc) or p is None:
+                if not isinstance(svc, str) or not _NAME.fullmatch(svc) or p is None:
                     problems.append(f"{where}.outbound.{svc}: needs a service name and a port")
                 else:
                     outbound[svc] = p
@@ -79,21 +87,23 @@ def parse_registrations(doc: Any) -> tuple[Registration, ...]:
         ):
             problems.append(f"{where}.tokenSha256: must be 64 lowercase hex characters")
         labels = item.get("labels", {})
-        if not isinstance(labels, dict):
+        if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
             problems.append(f"{where}.labels: must map strings to strings")
             labels = {}
-        if problems or inbound is None or app_port is None:
+        if len(problems) > known or inbound is None or app_port is None:
             continue
         out.append(
             Registration(
                 name=str(name),
                 namespace=str(ns),
                 service_account=str(sa),
-                service=str(item.get("service", name)),
+                service=str(service),
                 inbound=inbound,
                 app_port=app_port,
                 outbound=outbound,
-                labels={str(k): str(v) for k, v in labels.items()},
+                labels=dict(labels),
                 token_sha256=token,
             )
         )
