@@ -32,6 +32,7 @@ from certs.policy import (
     AttestationPolicy,
     Rejected,
     appraise_all,
+    audit_findings,
     parse_policies,
     policies_for,
 )
@@ -40,6 +41,7 @@ from xds.meshpolicy import MeshPolicy
 from xds.state import (
     AttestationRecord,
     Event,
+    EventKind,
     IssuedCert,
     MeshState,
     Registration,
@@ -260,6 +262,9 @@ class ControlPlane:
         state, events = record_attestation(
             self._state, req.workload, record, IssuedCert(serial, not_after), due, now
         )
+        for finding in audit_findings(verified.claims, governing, now):
+            self._metrics.audit_findings.labels(finding.reason).inc()
+            events.append(Event(EventKind.AUDIT, req.workload, now, "; ".join(finding.reasons)))
         self._claims[req.workload] = admitted.claims
         self._apply(state, events, trust_changed=False)
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()

@@ -52,6 +52,12 @@ class Metrics:
             ["trigger"],
             registry=r,
         )
+        self.audit_findings = Counter(
+            "attestmesh_audit_findings_total",
+            "Rejections audit-mode policies recorded without acting, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.policy_reloads = Counter(
             "attestmesh_policy_reloads_total",
             "Policy reloads by result",

@@ -489,16 +489,28 @@ def policies_for(
     )
 
 
-def appraise_all(
-    claims: Claims, governing: Sequence[AttestationPolicy], now: datetime
-) -> Decision:
-    """Conjunction over every governing policy; no governing policy means rejection."""
+def appraise_all(claims: Claims, governing: Sequence[AttestationPolicy], now: datetime) -> Decision:
+    """Conjunction over every governing policy in ``enforce`` mode; no governing policy means
+    rejection. Policies in ``audit`` mode never reject (see ``audit_findings``)."""
     if not governing:
         return Rejected(("no_policy: no attestation policy governs this identity",), "", now)
-    decisions = [appraise(claims, x, now) for x in governing]
+    enforced = [x for x in governing if x.mode is Mode.ENFORCE]
+    decisions = [appraise(claims, x, now) for x in enforced]
     rejected = [d for d in decisions if isinstance(d, Rejected)]
     if rejected:
         reasons = tuple(r for d in rejected for r in d.reasons)
         return Rejected(reasons, ",".join(d.policy for d in rejected), now)
     ttl = min(x.certificate_ttl for x in governing)
-    return Admitted(claims, ",".join(x.name for x in governing), now, ttl)
+    return Admitted(claims, ",".join(x.name for x in enforced or governing), now, ttl)
+
+
+def audit_findings(
+    claims: Claims, governing: Sequence[AttestationPolicy], now: datetime
+) -> tuple[Rejected, ...]:
+    """What ``audit``-mode policies would have rejected: recorded, never acted on. This is how
+    new reference values are rolled out safely."""
+    return tuple(
+        d
+        for x in governing
+        if x.mode is Mode.AUDIT and isinstance(d := appraise(claims, x, now), Rejected)
+    )

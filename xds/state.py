@@ -114,6 +114,7 @@ class EventKind(enum.StrEnum):
     ATTESTED = "attested"
     QUARANTINED = "quarantined"
     RELEASED = "released"
+    AUDIT = "audit"  # an audit-mode policy would have rejected; nothing was done
 
 
 @dataclass(frozen=True, slots=True)
