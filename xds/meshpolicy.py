@@ -20,8 +20,9 @@ from xds.state import MeshState, Status, WorkloadState, spiffe_id
 
 KIND_MESH_POLICY = "MeshPolicy"
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_HEX = re.compile(r"^([0-9a-fA-F]{2})+$")
+# Used with fullmatch: "$" would let a trailing newline through.
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_HEX = re.compile(r"([0-9a-fA-F]{2})+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,7 @@ def compile_permissions(
                 if principal in out and (not out[principal] or not rule.to):
                     out[principal] = ()
                 else:
-                    out[principal] = out.get(principal, ()) + rule.to
+                    out[principal] = tuple(dict.fromkeys(out.get(principal, ()) + rule.to))
     return tuple(Permission(p, out[p]) for p in sorted(out))
 
 
@@ -136,10 +137,10 @@ def _parse_source(raw: Any, where: str, ns: str, problems: list[str]) -> Source 
     if set(raw) - {"serviceAccount", "namespace"}:
         _problem(problems, where, "allowed fields: identity | serviceAccount, namespace")
         return None
-    if not isinstance(sa, str) or not _NAME.match(sa):
+    if not isinstance(sa, str) or not _NAME.fullmatch(sa):
         _problem(problems, f"{where}.serviceAccount", "is required (DNS-1123 label)")
         return None
-    if not isinstance(src_ns, str) or not _NAME.match(src_ns):
+    if not isinstance(src_ns, str) or not _NAME.fullmatch(src_ns):
         _problem(problems, f"{where}.namespace", "not a DNS-1123 label")
         return None
     return Source(namespace=src_ns, service_account=sa)
@@ -151,7 +152,7 @@ def _parse_claims(raw: Any, where: str, problems: list[str]) -> ClaimsCondition 
         return None
     tees = raw.get("tees", [])
     valid = {t.value for t in Tee}
-    if not isinstance(tees, list) or any(t not in valid for t in tees):
+    if not isinstance(tees, list) or not all(isinstance(t, str) and t in valid for t in tees):
         _problem(problems, f"{where}.tees", f"must list TEEs from {sorted(valid)}")
         tees = []
     ms: list[tuple[str, frozenset[str]]] = []
@@ -160,8 +161,10 @@ def _parse_claims(raw: Any, where: str, problems: list[str]) -> ClaimsCondition 
         _problem(problems, f"{where}.measurements", "must map a claims key to hex values")
         raw_ms = {}
     for key, values in sorted(raw_ms.items()):
-        if not isinstance(values, list) or not values or not all(
-            isinstance(v, str) and _HEX.match(v) for v in values
+        if (
+            not isinstance(values, list)
+            or not values
+            or not all(isinstance(v, str) and _HEX.fullmatch(v) for v in values)
         ):
             _problem(problems, f"{where}.measurements.{key}", "must be a non-empty hex list")
             continue
@@ -194,7 +197,9 @@ def _parse_to(raw: Any, where: str, problems: list[str]) -> tuple[HttpMatch, ...
         ):
             _problem(problems, f"{w}.paths", "must be a list of path prefixes starting with /")
             paths = []
-        if not isinstance(methods, list) or not set(methods) <= METHODS:
+        if not isinstance(methods, list) or not all(
+            isinstance(m, str) and m in METHODS for m in methods
+        ):
             _problem(problems, f"{w}.methods", f"must be a subset of {sorted(METHODS)}")
             methods = []
         out.append(HttpMatch(frozenset(ports), tuple(paths), frozenset(methods)))
@@ -211,10 +216,10 @@ def _parse_one(doc: Any, index: int, problems: list[str]) -> MeshPolicy | None:
     meta_raw = doc.get("metadata")
     meta: dict[str, Any] = meta_raw if isinstance(meta_raw, dict) else {}
     name, ns = meta.get("name"), meta.get("namespace", "default")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         _problem(problems, f"{where}.metadata.name", "is required (DNS-1123 label)")
         name = ""
-    if not isinstance(ns, str) or not _NAME.match(ns):
+    if not isinstance(ns, str) or not _NAME.fullmatch(ns):
         _problem(problems, f"{where}.metadata.namespace", "not a DNS-1123 label")
         ns = "default"
     where = name or where
@@ -226,7 +231,7 @@ def _parse_one(doc: Any, index: int, problems: list[str]) -> MeshPolicy | None:
         _problem(problems, f"{where}.spec.{key}", "unknown field")
     dest = spec.get("destination")
     dest_sa = dest.get("serviceAccount") if isinstance(dest, dict) else None
-    if not isinstance(dest_sa, str) or not _NAME.match(dest_sa):
+    if not isinstance(dest_sa, str) or not _NAME.fullmatch(dest_sa):
         _problem(problems, f"{where}.spec.destination.serviceAccount", "is required")
         dest_sa = ""
     mode = spec.get("mode", "enforce")
