@@ -14,22 +14,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from certs.errors import AttestmeshError
-from sidecar.agent import Agent, Evidence, EvidenceSource, SimEvidenceSource, client_ssl_context
+from sidecar.agent import Agent, EvidenceSource, SimEvidenceSource, client_ssl_context
+from sidecar.collectors import DEVICE_TEES, device_source
 from sidecar.sds import LocalSds, start_sds
 
 log = logging.getLogger(__name__)
-
-
-class SevGuestSource:
-    """SEV-SNP via /dev/sev-guest; the VCEK is fetched by the control plane (AMD KDS)."""
-
-    def __init__(self) -> None:
-        from sidecar.tee.sev_guest import SevGuestCollector
-
-        self._collector = SevGuestCollector()
-
-    def collect(self, report_data: bytes, *, nonce: bytes, spki: bytes) -> Evidence:
-        return Evidence("sev-snp", self._collector.collect(report_data))
 
 
 def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
@@ -45,7 +34,14 @@ def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
     a.add_argument(
         "--token-file", type=Path, help="identity token (projected SA token / join token)"
     )
-    a.add_argument("--tee", choices=["sim", "sev-snp"], required=True)
+    a.add_argument(
+        "--tee",
+        choices=["sim", *DEVICE_TEES],
+        required=True,
+        help="sim (local runs), sev-snp (/dev/sev-guest), tsm (configfs-tsm: SNP or TDX), "
+        "nitro (/dev/nsm), sgx (Gramine /dev/attestation)",
+    )
+    a.add_argument("--device", type=Path, help="override the TEE device path")
     a.add_argument("--sim-platform-key", type=Path, help="sim: the simulated platform private key")
     a.add_argument("--sim-measurement", help="sim: the measurement to report (96 hex chars)")
     return a
@@ -67,7 +63,7 @@ def _source(args: argparse.Namespace) -> EvidenceSource:
         if len(measurement) != 48:
             raise AttestmeshError("usage", "--sim-measurement must be 48 bytes (96 hex chars)")
         return SimEvidenceSource(key, measurement)
-    return SevGuestSource()
+    return device_source(args.tee, args.device)
 
 
 def run_agent(args: argparse.Namespace) -> int:
