@@ -104,6 +104,7 @@ def bind_private_unix_socket(path: Path) -> socket.socket:
 async def start_sds(sds: LocalSds, path: Path) -> grpclib.server.Server:
     """Listen on ``path``. The caller closes the server
     (``server.close(); await server.wait_closed()``) and may unlink ``path``."""
+    pb.install_validator_cache()
     warm()
     server = grpclib.server.Server([sds])
     await server.start(sock=bind_private_unix_socket(path))

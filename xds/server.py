@@ -258,8 +258,9 @@ async def start_ads(
     port: int,
     metrics: Metrics | None = None,
 ) -> tuple[grpclib.server.Server, AdsServer]:
-    """Warm the message classes, then listen. The caller closes the server
-    (``server.close(); await server.wait_closed()``)."""
+    """Cache betterproto2 validators (xds.pb), warm the message classes, then listen. The
+    caller closes the server (``server.close(); await server.wait_closed()``)."""
+    pb.install_validator_cache()
     warm()
     ads = AdsServer(cache, metrics)
     server = grpclib.server.Server([ads])
