@@ -10,7 +10,7 @@ import contextlib
 import logging
 import secrets
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -26,7 +26,7 @@ from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from attestmesh.controlplane import CollateralSource, ControlPlane
+from attestmesh.controlplane import CollateralSource, ControlPlane, IdentityCheck, Publisher
 from attestmesh.metrics import Metrics
 from certs import api
 from certs.ca import CertificateAuthority, build_server_cert
@@ -43,6 +43,7 @@ from xds.build import BuildSettings, Packer, TrustMaterial, build_snapshots
 from xds.cache import SnapshotCache
 from xds.meshpolicy import MeshPolicy, parse_mesh_policies
 from xds.registrations import parse_registrations
+from xds.pb import install_validator_cache
 from xds.server import AdsServer, warm
 from xds.state import Event, MeshState, Registration, Trigger
 from xds.store import SqliteStore
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ControlPlaneSettings:
     state_dir: Path
-    policy_file: Path
+    policy_file: Path | None = None  # local mode; in Kubernetes mode policies come from CRs
     trust_domain: str = "attestmesh.local"
     host: str = "127.0.0.1"
     api_port: int = 8443
@@ -97,6 +98,19 @@ class XdsPublisher:
         for e in events:
             log.info("event %s %s %s", e.kind, e.workload, e.reason)
         self.events.extend(events)
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What another deployment mode (Kubernetes) adds; local mode uses none of them.
+
+    ``identity`` replaces the registration-token check; ``wrap_publisher`` wraps the xDS
+    publisher (e.g. to act on events); ``run`` is supervised beside the control plane's own
+    tasks once its servers are up, and must return when ``stop`` is set."""
+
+    identity: IdentityCheck | None = None
+    wrap_publisher: Callable[[XdsPublisher], Publisher] | None = None
+    run: Callable[[ControlPlane, asyncio.Event], Coroutine[Any, Any, None]] | None = None
 
 
 def _server_tls(
@@ -159,9 +173,11 @@ def build_control_plane(
     metrics: Metrics,
     cache: SnapshotCache,
     collateral_sources: Mapping[Tee, CollateralSource] | None = None,
+    hooks: Hooks | None = None,
 ) -> tuple[ControlPlane, XdsPublisher, SqliteStore]:
+    hooks = hooks or Hooks()
     # Everything that can be refused is read before any state is opened.
-    policies = parse_policies(load_yaml_docs(settings.policy_file))
+    policies = parse_policies(load_yaml_docs(settings.policy_file)) if settings.policy_file else ()
     mesh_policies = (
         parse_mesh_policies(load_yaml_docs(settings.mesh_policy_file))
         if settings.mesh_policy_file
@@ -186,7 +202,8 @@ def build_control_plane(
         policies=policies,
         mesh_policies=mesh_policies,
         metrics=metrics,
-        publisher=publisher,
+        publisher=hooks.wrap_publisher(publisher) if hooks.wrap_publisher else publisher,
+        identity=hooks.identity,
         clock=lambda: datetime.now(UTC),
         serials=x509.random_serial_number,
         random_bytes=secrets.token_bytes,
@@ -277,6 +294,8 @@ async def _policy_watch(
     cp: ControlPlane, settings: ControlPlaneSettings, stop: asyncio.Event
 ) -> None:
     path = settings.policy_file
+    if path is None:
+        return
     last = path.stat().st_mtime_ns
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
@@ -319,14 +338,17 @@ async def run_control_plane(
     stop: asyncio.Event,
     ready: asyncio.Future[Running] | None = None,
     metrics: Metrics | None = None,
+    hooks: Hooks | None = None,
 ) -> None:
-    """Run until ``stop`` is set: attestation API (HTTPS), ADS (gRPC), ops (HTTP, loopback)."""
+    """Run until ``stop`` is set: attestation API (HTTPS), ADS (gRPC), ops (HTTP, loopback),
+    and whatever ``hooks.run`` adds (Kubernetes mode)."""
     metrics = metrics or Metrics()
+    install_validator_cache()  # see xds/pb.py: one pydantic validator per class
     warm()
     cache = SnapshotCache()
     async with aiohttp.ClientSession() as session:
         cp, publisher, store = build_control_plane(
-            settings, metrics, cache, build_collateral_sources(settings, session)
+            settings, metrics, cache, build_collateral_sources(settings, session), hooks
         )
         tls = _server_tls(cp.ca, settings, datetime.now(UTC))
         api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
@@ -351,6 +373,8 @@ async def run_control_plane(
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_deadlines(cp, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
+                if hooks is not None and hooks.run is not None:
+                    tg.create_task(hooks.run(cp, stop))
         except AttestmeshError as exc:
             if ready is not None and not ready.done():
                 ready.set_exception(exc)
