@@ -17,7 +17,7 @@ from typing import Protocol
 
 from attestmesh.metrics import Metrics
 from certs.ca import CertificateAuthority, build_leaf, encode_claims_extension
-from certs.errors import AttestmeshError, PolicyError
+from certs.errors import AttestmeshError, CollateralError, PolicyError
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
 from certs.issuance import (
     AttestRequest,
@@ -59,6 +59,10 @@ from xds.store import StateStore
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
+# A vendor service that is down or answers with an error is not the workload's failure: the
+# request fails (HTTP 503, the agent retries) but never quarantines; the re-attestation deadline
+# stays the backstop.
+COLLATERAL_OUTAGE = frozenset({"collateral_unreachable", "collateral_http_status"})
 
 
 class Publisher(Protocol):
@@ -290,6 +294,11 @@ class ControlPlane:
             return None
         try:
             return await source.collateral_for(req.evidence, req.collateral, now)
+        except CollateralError as exc:
+            if exc.reason in COLLATERAL_OUTAGE:
+                self._metrics.attestations.labels(Tee(req.tee).value, "error", exc.reason).inc()
+                raise
+            raise EvidenceRejected(exc.reason, exc.detail, req.tee) from exc
         except AttestmeshError as exc:
             raise EvidenceRejected(exc.reason, exc.detail, req.tee) from exc
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from attestmesh.metrics import Metrics
 from certs.ca import CsrError
-from certs.errors import AttestmeshError
+from certs.errors import AttestmeshError, CollateralError
 from certs.issuance import AttestRequest, EvidenceRejected, IdentityError
 from certs.nonces import NonceError
 from xds.state import QuarantinedError, Status, UnknownWorkloadError
@@ -47,6 +47,8 @@ def _http_status(exc: AttestmeshError) -> int:
         return 404
     if isinstance(exc, EvidenceRejected | QuarantinedError):
         return 403
+    if isinstance(exc, CollateralError):
+        return 503  # a vendor collateral service is unavailable: retry later
     if exc.reason == "not_attested":
         return 409
     return 400

@@ -4,7 +4,7 @@ mesh state). Plain functions, no pytest magic, so unit and component tests can b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -119,3 +119,109 @@ def record(
 
 def minutes(n: float) -> timedelta:
     return timedelta(minutes=n)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real control plane on temporary state (component tests)
+
+
+class Clock:
+    """An injectable, settable clock."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, **delta: float) -> datetime:
+        self.now += timedelta(**delta)
+        return self.now
+
+
+class RecordingPublisher:
+    """Records every announcement the control plane makes, in order."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[Any, tuple[Any, ...], Any]] = []
+        self.events: list[Any] = []
+
+    def publish(self, state: Any, mesh_policies: Any, trust: Any) -> None:
+        self.published.append((state, tuple(mesh_policies), trust))
+
+    def on_events(self, state: Any, events: Any) -> None:
+        self.events.extend(events)
+
+    @property
+    def last_state(self) -> Any:
+        return self.published[-1][0]
+
+    @property
+    def last_trust(self) -> Any:
+        return self.published[-1][2]
+
+
+def make_control_plane(
+    directory: Any,
+    *,
+    clock: Clock,
+    platform_key: ec.EllipticCurvePrivateKey,
+    policies: list[dict[str, Any]] | None = None,
+    registrations: list[Registration] | None = None,
+    sim: bool = True,
+    publisher: RecordingPublisher | None = None,
+    collateral_sources: Mapping[Tee, Any] | None = None,
+) -> Plane:
+    """A ControlPlane over SqliteStore/CertificateAuthority in ``directory``. Calling it again on
+    the same directory is a restart: state and CA are loaded, not created."""
+    import secrets
+
+    from attestmesh.controlplane import ControlPlane
+    from attestmesh.metrics import Metrics
+    from certs.ca import CertificateAuthority
+    from certs.evidence.sim import SimVerifier
+    from certs.policy import parse_policies
+    from xds.store import SqliteStore
+
+    metrics = Metrics()
+    publisher = publisher or RecordingPublisher()
+    store = SqliteStore(directory / "state.db")
+    ca = CertificateAuthority.load_or_create(directory / "ca", TRUST_DOMAIN, clock())
+    verifiers: dict[Tee, Any] = {Tee.SIM: SimVerifier([platform_key.public_key()])} if sim else {}
+    cp = ControlPlane(
+        state=store.load(TRUST_DOMAIN),
+        store=store,
+        ca=ca,
+        verifiers=verifiers,
+        policies=parse_policies(policies if policies is not None else [policy_doc()]),
+        mesh_policies=(),
+        metrics=metrics,
+        publisher=publisher,
+        clock=clock,
+        serials=x509.random_serial_number,
+        random_bytes=secrets.token_bytes,
+        collateral_sources=collateral_sources,
+    )
+    if registrations:
+        cp.register(registrations)
+    return Plane(cp, store, metrics, publisher, ca)
+
+
+@dataclass
+class Plane:
+    cp: Any
+    store: Any
+    metrics: Any
+    publisher: RecordingPublisher
+    ca: Any
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else float(value)
+
+    def rejections(self, endpoint: str, reason: str) -> float:
+        return self.sample("attestmesh_api_rejections_total", endpoint=endpoint, reason=reason)
+
+    @property
+    def issued(self) -> float:
+        return self.sample("attestmesh_certificates_issued_total")
