@@ -42,8 +42,8 @@ from certs.policy import parse_policies
 from xds.build import BuildSettings, Packer, TrustMaterial, build_snapshots
 from xds.cache import SnapshotCache
 from xds.meshpolicy import MeshPolicy, parse_mesh_policies
-from xds.registrations import parse_registrations
 from xds.pb import install_validator_cache
+from xds.registrations import parse_registrations
 from xds.server import AdsServer, warm
 from xds.state import Event, MeshState, Registration, Trigger
 from xds.store import SqliteStore

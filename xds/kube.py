@@ -563,6 +563,9 @@ class _WatchSpec:
     on_event: Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
+WatchSpec = _WatchSpec  # public name: what a Watcher lists and watches, and whom it tells
+
+
 class Watcher:
     """list + watch with resourceVersion; relist on 410 Gone; exponential backoff on errors."""
 
@@ -738,6 +741,10 @@ class SourceCallbacks:
     on_registration: Callable[[Registration], Awaitable[None]]
     on_removed: Callable[[str], Awaitable[None]]
     on_node: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+    # When set, called instead of ``on_policies`` with the documents in force (each the
+    # accepted version of its CR, server-set metadata dropped), for a consumer that parses
+    # policies itself (``ControlPlane.set_policies``).
+    on_policy_documents: Callable[[list[dict[str, Any]]], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -747,6 +754,7 @@ class _CrKind:
     parse: Callable[[list[Any]], Sequence[Any]]
     objects: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     in_force: Mapping[tuple[str, str], Any] = field(default_factory=dict)
+    docs: Mapping[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     announced: bool = False
 
 
@@ -866,10 +874,18 @@ class KubeSource:
         result = reconcile(list(k.objects.values()), k.in_force, k.parse)
         changed = dict(result.in_force) != dict(k.in_force)
         k.in_force = result.in_force
+        accepted = {(ns, name) for ns, name, _ in result.accepted}
+        k.docs = {
+            key: _clean(k.objects[key]) if key in accepted else k.docs[key]
+            for key in result.in_force
+            if key in accepted or key in k.docs
+        }
         if changed or not k.announced:
             k.announced = True
             values = [result.in_force[key] for key in sorted(result.in_force)]
-            if k.kind == "AttestationPolicy":
+            if k.kind == "AttestationPolicy" and self.cb.on_policy_documents is not None:
+                await self.cb.on_policy_documents([k.docs[key] for key in sorted(k.docs)])
+            elif k.kind == "AttestationPolicy":
                 await self.cb.on_policies(values)
             else:
                 await self.cb.on_mesh_policies(values)
@@ -1193,6 +1209,7 @@ __all__ = [
     "SourceCallbacks",
     "TokenReviewError",
     "TokenReviewer",
+    "WatchSpec",
     "Watcher",
     "WorkloadRef",
     "build_condition",

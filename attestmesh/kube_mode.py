@@ -1,0 +1,628 @@
+"""Kubernetes mode: the control plane fed by the cluster and acting on it.
+
+Wiring only (behaviour lives in ``xds.kube``, ``sidecar.inject`` and the control plane):
+
+- AttestationPolicy CRs -> ``ControlPlane.set_policies`` (the documents in force; an invalid CR
+  is refused by the adapter with a status condition and an Event, its previous version stays);
+  MeshPolicy CRs -> ``set_mesh_policies``; injected Pods -> ``register`` / removal.
+- Agent identity: the projected service-account token is checked with TokenReview; its
+  namespace and service account must be the registration's (``TokenReviewIdentity``).
+- Lease leader election: only the leader writes to Kubernetes; every replica serves attestation.
+- ``KubePublisher`` wraps the xDS publisher: quarantine, release and audit events become pod
+  labels, conditions, Events, evictions and node taints (``KubeActions``), performed in order
+  by one worker. On winning the election, and every ``resync``, the quarantines in the
+  persisted state are re-applied (idempotent), so actions survive a restart or a failed call.
+- The sidecar-injection webhook is served in the same process, its serving certificate issued
+  from the mesh CA (or given), and its CA bundle written into the MutatingWebhookConfiguration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import enum
+import logging
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from attestmesh.controlplane import ControlPlane, Publisher
+from attestmesh.metrics import Metrics
+from attestmesh.serve import Hooks, XdsPublisher
+from certs.ca import CertificateAuthority, build_server_cert
+from certs.errors import AttestmeshError, PolicyError
+from certs.issuance import IdentityError
+from certs.policy import AttestationPolicy, Mode, OnFailure, policies_for
+from sidecar.inject import InjectConfig, NamespaceLabels, build_app, webhook_counter
+from xds.build import TrustMaterial
+from xds.kube import (
+    KubeActions,
+    KubeClient,
+    KubeError,
+    KubeMetrics,
+    KubeSource,
+    LeaderElector,
+    SourceCallbacks,
+    TokenReviewer,
+    TokenReviewError,
+    Watcher,
+    WatchSpec,
+    WorkloadRef,
+    platform_failed,
+)
+from xds.meshpolicy import MeshPolicy
+from xds.state import Event, EventKind, MeshState, Registration, Trigger
+
+log = logging.getLogger(__name__)
+
+TOKEN_AUDIENCE = "attestmesh"  # noqa: S105 (an audience, the one the injector projects)
+WEBHOOK_CERT_TTL = timedelta(hours=24)
+
+
+class KubeConfigError(AttestmeshError):
+    """No usable Kubernetes client configuration."""
+
+
+@dataclass(frozen=True, slots=True)
+class KubeSettings:
+    """Kubernetes-mode settings, read once in main()."""
+
+    namespace: str = "attestmesh-system"
+    identity: str = "attestmesh-controlplane"  # this replica's name in the Lease
+    lease_name: str = "attestmesh-controlplane-leader"
+    lease_duration: timedelta = timedelta(seconds=15)
+    retry_period: timedelta = timedelta(seconds=2)
+    service_name: str = "attestmesh-controlplane"
+    token_audience: str = TOKEN_AUDIENCE
+    webhook_host: str = "0.0.0.0"
+    webhook_port: int | None = 9443  # None: no webhook in this process
+    webhook_cert: Path | None = None  # with webhook_key; else issued from the mesh CA
+    webhook_key: Path | None = None
+    webhook_configuration: str | None = None  # MutatingWebhookConfiguration to write caBundle to
+    probe_host: str = "0.0.0.0"
+    probe_port: int | None = None  # /metrics, /healthz, /readyz on the pod network (no admin)
+    resync: timedelta = timedelta(minutes=5)
+    watch_timeout: int = 300
+    request_timeout: float = 10.0
+    inject: InjectConfig = field(default_factory=InjectConfig)
+
+    def service_dns_names(self) -> tuple[str, ...]:
+        svc, ns = self.service_name, self.namespace
+        return (svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local")
+
+
+def connect(kubeconfig: Path | None, request_timeout: float = 10.0) -> KubeClient:
+    """A client from a kubeconfig file, or the in-cluster service account when None."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        if kubeconfig is not None:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=str(kubeconfig), client_configuration=cfg
+            )
+        else:
+            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except (config.ConfigException, OSError, ValueError) as exc:
+        where = str(kubeconfig) if kubeconfig else "the in-cluster service account"
+        raise KubeConfigError(
+            "kube_config_invalid", f"cannot load Kubernetes configuration from {where}: {exc}"
+        ) from None
+    return KubeClient(client.ApiClient(cfg), request_timeout=request_timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# identity
+
+
+class TokenReviewIdentity:
+    """IdentityCheck: the agent's projected service-account token, checked with TokenReview,
+    must name the registration's namespace and service account."""
+
+    def __init__(self, reviewer: TokenReviewer, audience: str = TOKEN_AUDIENCE) -> None:
+        self._reviewer = reviewer
+        self._audience = audience
+
+    async def check(self, reg: Registration, token: str | None) -> None:
+        try:
+            namespace, sa = await self._reviewer.verify_token(token or "", self._audience)
+        except TokenReviewError as exc:
+            raise IdentityError("identity_invalid", f"{exc.reason}: {exc.detail}") from None
+        if (namespace, sa) != (reg.namespace, reg.service_account):
+            raise IdentityError(
+                "identity_invalid",
+                f"token of {namespace}/{sa} presented for {reg.name} "
+                f"({reg.namespace}/{reg.service_account})",
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# actions: events -> work items, performed in order by one worker
+
+
+class WorkKind(enum.StrEnum):
+    QUARANTINE = "quarantine"
+    RELEASE = "release"
+    AUDIT = "audit"
+    REAPPLY = "reapply"
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    kind: WorkKind
+    workload: str = ""
+    reason: str = ""
+    trigger: Trigger = Trigger.OPERATOR
+    evict: bool = False
+    platform_failed: bool = False
+
+
+def should_evict(policies: Sequence[AttestationPolicy], reg: Registration) -> bool:
+    """Evict when an enforcing policy governing the workload says quarantineAndEvict."""
+    return any(
+        p.mode is Mode.ENFORCE and p.on_failure is OnFailure.QUARANTINE_AND_EVICT
+        for p in policies_for(policies, reg.namespace, reg.service_account, reg.labels)
+    )
+
+
+def build_work(
+    state: MeshState, events: Sequence[Event], policies: Sequence[AttestationPolicy]
+) -> list[Work]:
+    """What Kubernetes should do about these events. Pure. Workloads that are not pods
+    (names that are not ``<namespace>/<pod>``) are left alone."""
+    out: list[Work] = []
+    for e in events:
+        try:
+            WorkloadRef.parse(e.workload)
+        except ValueError:
+            continue
+        if e.kind is EventKind.QUARANTINED:
+            trigger = e.trigger or Trigger.OPERATOR
+            w = state.workloads.get(e.workload)
+            evict = w is not None and should_evict(policies, w.registration)
+            out.append(
+                Work(
+                    WorkKind.QUARANTINE,
+                    e.workload,
+                    e.reason,
+                    trigger,
+                    evict=evict,
+                    platform_failed=platform_failed(trigger, e.reason),
+                )
+            )
+        elif e.kind is EventKind.RELEASED:
+            out.append(Work(WorkKind.RELEASE, e.workload))
+        elif e.kind is EventKind.AUDIT:
+            out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.APPRAISAL_FAILED))
+    return out
+
+
+class KubePublisher:
+    """Publisher: xDS as before, then the events' Kubernetes actions queued for the worker."""
+
+    def __init__(self, inner: Publisher, mode: KubeMode) -> None:
+        self._inner = inner
+        self._mode = mode
+
+    def publish(
+        self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial
+    ) -> None:
+        self._inner.publish(state, mesh_policies, trust)
+
+    def on_events(self, state: MeshState, events: Sequence[Event]) -> None:
+        self._inner.on_events(state, events)
+        for work in build_work(state, events, self._mode.policies):
+            self._mode.submit(work)
+
+
+def unregister(cp: ControlPlane, name: str) -> bool:
+    """Forget a pod's registration (the pod is gone): its endpoint leaves every cluster.
+    Its certificates are not revoked (a terminating pod may still drain); they expire.
+
+    ControlPlane has no public transition for this yet; this reaches into it (see report)."""
+    state = cp.state
+    if name not in state.workloads:
+        return False
+    new = replace(state, workloads={k: v for k, v in state.workloads.items() if k != name})
+    cp._claims.pop(name, None)
+    cp._apply(new, [], trust_changed=False)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS for the webhook
+
+
+def _issue_webhook_tls(
+    ca: CertificateAuthority,
+    spiffe_id: str,
+    dns_names: Sequence[str],
+    now: datetime,
+    directory: Path,
+) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = build_server_cert(
+        ca,
+        key,
+        spiffe_id=spiffe_id,
+        dns_names=dns_names,
+        ips=("127.0.0.1",),
+        serial=x509.random_serial_number(),
+        now=now,
+        ttl=WEBHOOK_CERT_TTL,
+    )
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cert_path, key_path = directory / "webhook.pem", directory / "webhook.key"
+    cert_path.write_bytes(ca.chain_pem(cert))
+    key_path.touch(mode=0o600)
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+# ---------------------------------------------------------------------------------------------
+# the mode
+
+
+class KubeMode:
+    """Everything Kubernetes mode adds to the control plane; ``hooks()`` plugs it in."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        settings: KubeSettings,
+        metrics: Metrics,
+        *,
+        state_dir: Path,
+        server_ready: asyncio.Event | None = None,
+    ) -> None:
+        self.kube, self.settings, self.metrics = kube, settings, metrics
+        self.state_dir = state_dir
+        self.kube_metrics = KubeMetrics(metrics.registry)
+        self.policies: tuple[AttestationPolicy, ...] = ()
+        self.namespaces = NamespaceLabels()
+        self.elector = LeaderElector(
+            kube,
+            settings.identity,
+            namespace=settings.namespace,
+            name=settings.lease_name,
+            lease_duration=settings.lease_duration,
+            retry_period=settings.retry_period,
+            on_change=self._on_leader_change,
+        )
+        self.actions = KubeActions(
+            kube,
+            is_leader=lambda: self.elector.is_leader,
+            metrics=self.kube_metrics,
+            instance=settings.identity,
+        )
+        self.source = KubeSource(
+            kube,
+            SourceCallbacks(
+                on_policies=self._ignore_parsed_policies,
+                on_mesh_policies=self._on_mesh_policies,
+                on_registration=self._on_registration,
+                on_removed=self._on_removed,
+                on_policy_documents=self._on_policy_documents,
+            ),
+            is_leader=lambda: self.elector.is_leader,
+            metrics=self.kube_metrics,
+            watch_timeout=settings.watch_timeout,
+            instance=settings.identity,
+        )
+        self.namespace_watcher = Watcher(
+            kube,
+            WatchSpec(
+                "namespaces",
+                kube.core.list_namespace,
+                (),
+                self._namespaces_listed,
+                self._namespace_event,
+            ),
+            metrics=self.kube_metrics,
+            watch_timeout=settings.watch_timeout,
+        )
+        self.identity = TokenReviewIdentity(TokenReviewer(kube), settings.token_audience)
+        self.synced = asyncio.Event()
+        self.server_ready = server_ready
+        self.webhook_url: str | None = None
+        self.completed: list[Work] = []  # what the worker did, in order (ops and tests read it)
+        self._queue: asyncio.Queue[Work] = asyncio.Queue()
+        self._retry = asyncio.Event()
+        self._cp: ControlPlane | None = None
+        self._ca_bundle: bytes | None = None
+
+    def hooks(self) -> Hooks:
+        return Hooks(identity=self.identity, wrap_publisher=self._wrap, run=self.run)
+
+    def _wrap(self, inner: XdsPublisher) -> Publisher:
+        return KubePublisher(inner, self)
+
+    def submit(self, work: Work) -> None:
+        self._queue.put_nowait(work)
+
+    @property
+    def cp(self) -> ControlPlane:
+        if self._cp is None:
+            raise RuntimeError("Kubernetes mode is not running")
+        return self._cp
+
+    # -- source callbacks ---------------------------------------------------------------------
+
+    async def _ignore_parsed_policies(self, _: list[AttestationPolicy]) -> None:
+        return None  # on_policy_documents is used instead
+
+    async def _on_policy_documents(self, docs: list[dict[str, Any]]) -> None:
+        try:
+            self.policies = self.cp.set_policies(docs)
+        except PolicyError as exc:  # each CR was valid alone; together they are not
+            log.error("refused AttestationPolicies: %s", "; ".join(exc.problems))
+            return
+        log.info("attestation policies in force: %s", [p.name for p in self.policies])
+
+    async def _on_mesh_policies(self, policies: list[MeshPolicy]) -> None:
+        self.cp.set_mesh_policies(policies)
+
+    async def _on_registration(self, reg: Registration) -> None:
+        self.cp.register([reg])
+
+    async def _on_removed(self, name: str) -> None:
+        if unregister(self.cp, name):
+            log.info("pod %s is gone: registration removed", name)
+
+    async def _namespaces_listed(self, items: list[dict[str, Any]]) -> None:
+        for item in items:
+            await self._namespace_event("ADDED", item)
+
+    async def _namespace_event(self, etype: str, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name")
+        if isinstance(name, str):
+            labels = {} if etype == "DELETED" else (meta.get("labels") or {})
+            self.namespaces.set(name, {str(k): str(v) for k, v in labels.items()})
+
+    # -- leadership ---------------------------------------------------------------------------
+
+    def _on_leader_change(self, leader: bool) -> None:
+        if leader:
+            self.submit(Work(WorkKind.REAPPLY))
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    async def _perform(self, work: Work) -> None:
+        if work.kind is WorkKind.QUARANTINE:
+            await self.actions.quarantine(
+                work.workload,
+                work.reason,
+                work.trigger,
+                evict=work.evict,
+                platform_failed=work.platform_failed,
+            )
+        elif work.kind is WorkKind.RELEASE:
+            await self.actions.release(work.workload)
+        elif work.kind is WorkKind.AUDIT:
+            await self.actions.record_audit(work.workload, work.reason, work.trigger)
+        else:
+            if not self.elector.is_leader:
+                return
+            await self.synced.wait()  # the policies (eviction) and pods are known
+            state = self.cp.state
+            await self.actions.reapply(
+                state, lambda name: should_evict(self.policies, state.get(name).registration)
+            )
+            await self._write_ca_bundle()
+
+    async def _worker(self) -> None:
+        while True:
+            work = await self._queue.get()
+            try:
+                await self._perform(work)
+            except (KubeError, AttestmeshError) as exc:
+                # idempotent actions: the next re-apply repairs what this one missed
+                log.warning("kubernetes %s of %s failed: %s", work.kind, work.workload, exc)
+                self._retry.set()
+            finally:
+                self.completed.append(work)
+                self._queue.task_done()
+
+    async def _resync(self, stop: asyncio.Event) -> None:
+        backoff = 1.0
+        while not stop.is_set():
+            wait = self.settings.resync.total_seconds()
+            if self._retry.is_set():
+                wait, backoff = min(backoff, wait), min(backoff * 2, wait)
+            else:
+                backoff = 1.0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            if stop.is_set():
+                return
+            self._retry.clear()
+            if self.elector.is_leader:
+                self.submit(Work(WorkKind.REAPPLY))
+
+    async def drained(self) -> None:
+        """Wait until every queued action was attempted (tests, shutdown)."""
+        await self._queue.join()
+
+    # -- webhook ------------------------------------------------------------------------------
+
+    def _webhook_tls(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        s = self.settings
+        if s.webhook_cert is not None and s.webhook_key is not None:
+            ctx.load_cert_chain(s.webhook_cert, s.webhook_key)
+            return ctx
+        self._load_issued(ctx)
+        self._ca_bundle = self.cp.ca.bundle_pem
+        return ctx
+
+    def _load_issued(self, ctx: ssl.SSLContext) -> None:
+        s = self.settings
+        cert, key = _issue_webhook_tls(
+            self.cp.ca,
+            f"spiffe://{self.cp.state.trust_domain}/ns/{s.namespace}/sa/{s.service_name}",
+            (*s.service_dns_names(), "localhost"),
+            datetime.now(UTC),
+            self.state_dir / "tls",
+        )
+        ctx.load_cert_chain(cert, key)
+
+    async def _rotate_webhook_cert(self, ctx: ssl.SSLContext, stop: asyncio.Event) -> None:
+        """Re-issue the webhook's serving certificate at half its lifetime (new handshakes
+        use the new one)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), (WEBHOOK_CERT_TTL / 2).total_seconds())
+            if not stop.is_set():
+                self._load_issued(ctx)
+
+    async def _write_ca_bundle(self) -> None:
+        name = self.settings.webhook_configuration
+        if name is None or self._ca_bundle is None or not self.elector.is_leader:
+            return
+        from kubernetes import client
+
+        api = client.AdmissionregistrationV1Api(self.kube.api_client)
+        try:
+            current = await self.kube.call(api.read_mutating_webhook_configuration, name)
+        except KubeError as exc:
+            if exc.status == 404:
+                log.warning("MutatingWebhookConfiguration %s not found: caBundle not set", name)
+                return
+            raise
+        bundle = base64.b64encode(self._ca_bundle).decode()
+        hooks = current.get("webhooks") or []
+        if all((h.get("clientConfig") or {}).get("caBundle") == bundle for h in hooks):
+            return
+        for h in hooks:
+            h.setdefault("clientConfig", {})["caBundle"] = bundle
+        await self.kube.call(api.replace_mutating_webhook_configuration, name, current)
+        log.info("wrote caBundle into MutatingWebhookConfiguration %s", name)
+
+    # -- probes -------------------------------------------------------------------------------
+
+    def _probe_app(self) -> web.Application:
+        async def metrics_handler(_: web.Request) -> web.Response:
+            body = generate_latest(self.metrics.registry)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        async def readyz(_: web.Request) -> web.Response:
+            if not self.synced.is_set():
+                return web.json_response({"status": "syncing"}, status=503)
+            return web.json_response({"status": "ok", "leader": self.elector.is_leader})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics_handler)
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        return app
+
+    # -- run ----------------------------------------------------------------------------------
+
+    async def run(self, cp: ControlPlane, stop: asyncio.Event) -> None:
+        """Watch, elect, act and serve the webhook until ``stop`` is set."""
+        self._cp = cp
+        runners: list[web.AppRunner] = []
+        s = self.settings
+        try:
+            webhook_ctx: ssl.SSLContext | None = None
+            if s.webhook_port is not None:
+                webhook_ctx = self._webhook_tls()
+                app = build_app(s.inject, self.namespaces, webhook_counter(self.metrics.registry))
+                runner = web.AppRunner(app, access_log=None)
+                runners.append(runner)
+                await runner.setup()
+                site = web.TCPSite(runner, s.webhook_host, s.webhook_port, ssl_context=webhook_ctx)
+                await site.start()
+                self.webhook_url = f"https://{s.webhook_host}:{_bound_port(site)}"
+            if s.probe_port is not None:
+                runner = web.AppRunner(self._probe_app(), access_log=None)
+                runners.append(runner)
+                await runner.setup()
+                await web.TCPSite(runner, s.probe_host, s.probe_port).start()
+            await self.elector.step()  # one attempt before the first reconcile: status writes
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(self.elector.run()),
+                    tg.create_task(self.source.run()),
+                    tg.create_task(self.namespace_watcher.run()),
+                    tg.create_task(self._worker()),
+                    tg.create_task(self._resync(stop)),
+                    tg.create_task(self._after_sync()),
+                ]
+                if webhook_ctx is not None and s.webhook_cert is None:
+                    tasks.append(tg.create_task(self._rotate_webhook_cert(webhook_ctx, stop)))
+                if self.server_ready is not None:
+                    self.server_ready.set()
+                await stop.wait()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+            if self.elector.is_leader:
+                with contextlib.suppress(Exception):
+                    await self._release_lease()
+
+    async def _after_sync(self) -> None:
+        await self.source.wait_synced()
+        await self.namespace_watcher.synced.wait()
+        # pods deleted while no replica was watching: forget them
+        live = set(self.source.pods)
+        for name in sorted(set(self.cp.state.workloads) - live):
+            if "/" in name:  # a pod's workload name; local registrations are left alone
+                unregister(self.cp, name)
+        self.synced.set()
+
+    async def _release_lease(self) -> None:
+        """Hand the Lease over at shutdown: the next replica need not wait for it to expire."""
+        kube, s = self.kube, self.settings
+        lease = await kube.call(kube.coordination.read_namespaced_lease, s.lease_name, s.namespace)
+        spec = lease.get("spec") or {}
+        if spec.get("holderIdentity") != s.identity:
+            return
+        lease["spec"] = {**spec, "holderIdentity": None}
+        await kube.call(
+            kube.coordination.replace_namespaced_lease, s.lease_name, s.namespace, lease
+        )
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    server = site._server  # aiohttp keeps the bound socket here
+    sockets = getattr(server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1]) if sockets else 0
+
+
+__all__ = [
+    "KubeConfigError",
+    "KubeMode",
+    "KubePublisher",
+    "KubeSettings",
+    "TokenReviewIdentity",
+    "Work",
+    "WorkKind",
+    "build_work",
+    "connect",
+    "should_evict",
+    "unregister",
+]
