@@ -126,11 +126,14 @@ class Agent:
             ) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status != 200:
+                    err = data if isinstance(data, dict) else {}
                     raise AgentError(
-                        str(data.get("error", "http_error")),
-                        str(data.get("detail", "")),
+                        str(err.get("error", "http_error")),
+                        str(err.get("detail", "")),
                         resp.status,
                     )
+                if not isinstance(data, dict):
+                    raise AgentError("response_malformed", f"{path}: not a JSON object")
                 return data
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise AgentError("control_plane_unreachable", repr(exc)) from exc
@@ -142,8 +145,15 @@ class Agent:
             serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
         )
         challenge = await self._post(session, "/v1/challenge", {})
-        nonce = base64.b64decode(challenge["nonce"])
-        evidence = self._source.collect(expected_report_data(nonce, spki), nonce=nonce, spki=spki)
+        try:
+            nonce = base64.b64decode(challenge["nonce"], validate=True)
+            report_data = expected_report_data(nonce, spki)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AgentError("response_malformed", f"challenge: {exc!r}") from None
+        try:
+            evidence = self._source.collect(report_data, nonce=nonce, spki=spki)
+        except (AttestmeshError, OSError) as exc:
+            raise AgentError("evidence_unavailable", repr(exc)) from exc
         body = {
             "workload": self._workload,
             "tee": evidence.tee,
@@ -159,15 +169,7 @@ class Agent:
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        cert = AgentCertificate(
-            chain_pem=data["certificate_chain"].encode(),
-            key_pem=key_pem,
-            serial=int(data["serial"]),
-            spiffe_id=data["spiffe_id"],
-            not_after=datetime.fromisoformat(data["not_after"]),
-            renew_after=datetime.fromisoformat(data["renew_after"]),
-            reattest_by=datetime.fromisoformat(data["reattest_by"]),
-        )
+        cert = _issued(data, key_pem)
         self._sink.update(cert.chain_pem, cert.key_pem)
         self.current = cert
         return cert
@@ -197,6 +199,27 @@ class Agent:
                         self.current = None
                 await _wait_any(stop, self.attest_now, max(wait, 0.0))
                 self.attest_now.clear()
+
+
+def _issued(data: Mapping[str, Any], key_pem: bytes) -> AgentCertificate:
+    """The control plane's answer as an AgentCertificate; AgentError if it is malformed."""
+    try:
+        times = [
+            datetime.fromisoformat(data[k]) for k in ("not_after", "renew_after", "reattest_by")
+        ]
+        if any(t.tzinfo is None for t in times):
+            raise ValueError("times must carry a UTC offset")
+        return AgentCertificate(
+            chain_pem=data["certificate_chain"].encode(),
+            key_pem=key_pem,
+            serial=int(data["serial"]),
+            spiffe_id=str(data["spiffe_id"]),
+            not_after=times[0],
+            renew_after=times[1],
+            reattest_by=times[2],
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise AgentError("response_malformed", f"certificate response: {exc!r}") from None
 
 
 async def _wait_any(a: asyncio.Event, b: asyncio.Event, seconds: float) -> None:
