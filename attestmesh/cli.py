@@ -15,9 +15,92 @@ from typing import Any
 
 from certs.errors import AttestmeshError, PolicyError
 
+_LOCAL_ONLY = {"policy": "--policy", "mesh_policy": "--mesh-policy", "workloads": "--workloads"}
+_KUBE_ONLY = {
+    "kubeconfig": "--kubeconfig",
+    "namespace": "--namespace",
+    "identity": "--identity",
+    "lease_name": "--lease-name",
+    "service_name": "--service-name",
+    "webhook_host": "--webhook-host",
+    "webhook_port": "--webhook-port",
+    "webhook_cert": "--webhook-cert",
+    "webhook_key": "--webhook-key",
+    "webhook_configuration": "--webhook-configuration",
+    "probe_host": "--probe-host",
+    "probe_port": "--probe-port",
+    "sidecar_image": "--sidecar-image",
+    "envoy_image": "--envoy-image",
+}
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """Mode-specific flags: every misuse is reported at once."""
+    problems: list[str] = []
+    if args.kubernetes:
+        for attr, flag in _LOCAL_ONLY.items():
+            if getattr(args, attr) is not None:
+                problems.append(
+                    f"{flag} is for local mode; with --kubernetes policies come from "
+                    "AttestationPolicy and MeshPolicy resources and workloads from pods"
+                )
+        if (args.webhook_cert is None) != (args.webhook_key is None):
+            problems.append("--webhook-cert and --webhook-key go together")
+        if args.webhook_port == 0 and (args.webhook_cert or args.webhook_configuration):
+            problems.append("--webhook-port 0 disables the webhook; drop its other flags")
+    else:
+        if args.policy is None:
+            problems.append("--policy is required in local mode (or run with --kubernetes)")
+        for attr, flag in _KUBE_ONLY.items():
+            if getattr(args, attr) is not None:
+                problems.append(f"{flag} needs --kubernetes")
+    if problems:
+        raise PolicyError(problems)
+
 
 def _controlplane(args: argparse.Namespace) -> int:
-    from attestmesh.serve import ControlPlaneSettings, run_control_plane
+    from attestmesh.metrics import Metrics
+    from attestmesh.serve import ControlPlaneSettings, Hooks, run_control_plane
+
+    _check_mode(args)
+    kube_settings = None
+    server_names: tuple[str, ...] = ("localhost",)
+    if args.kubernetes:
+        import dataclasses
+        import os
+        import socket
+        from datetime import timedelta
+
+        from attestmesh.kube_mode import KubeSettings
+        from sidecar.inject import InjectConfig
+
+        namespace = args.namespace or "attestmesh-system"
+        service = args.service_name or "attestmesh-controlplane"
+        inject = InjectConfig(
+            control_plane_url=f"https://{service}.{namespace}.svc:{args.api_port}",
+            xds_address=f"{service}.{namespace}.svc:{args.xds_port}",
+            control_plane_namespace=namespace,
+        )
+        if args.sidecar_image:
+            inject = dataclasses.replace(inject, agent_image=args.sidecar_image)
+        if args.envoy_image:
+            inject = dataclasses.replace(inject, envoy_image=args.envoy_image)
+        kube_settings = KubeSettings(
+            namespace=namespace,
+            identity=args.identity or os.environ.get("POD_NAME") or socket.gethostname(),
+            lease_name=args.lease_name or "attestmesh-controlplane-leader",
+            service_name=service,
+            webhook_host=args.webhook_host or "0.0.0.0",
+            webhook_port=None if args.webhook_port == 0 else (args.webhook_port or 9443),
+            webhook_cert=args.webhook_cert,
+            webhook_key=args.webhook_key,
+            webhook_configuration=args.webhook_configuration,
+            probe_host=args.probe_host or "0.0.0.0",
+            probe_port=args.probe_port,
+            resync=timedelta(minutes=5),
+            inject=inject,
+        )
+        server_names = (*kube_settings.service_dns_names(), "localhost")
 
     settings = ControlPlaneSettings(
         state_dir=args.state_dir,
@@ -34,10 +117,18 @@ def _controlplane(args: argparse.Namespace) -> int:
         amd_kds_url=args.amd_kds_url,
         intel_pcs_url=args.intel_pcs_url,
         intel_root_ca_crl_url=args.intel_root_ca_crl_url,
+        server_names=server_names,
     )
 
     async def main() -> None:
-        await run_control_plane(settings, asyncio.Event())
+        metrics = Metrics()
+        hooks: Hooks | None = None
+        if kube_settings is not None:
+            from attestmesh.kube_mode import KubeMode, connect
+
+            kube = connect(args.kubeconfig, kube_settings.request_timeout)
+            hooks = KubeMode(kube, kube_settings, metrics, state_dir=settings.state_dir).hooks()
+        await run_control_plane(settings, asyncio.Event(), metrics=metrics, hooks=hooks)
 
     try:
         asyncio.run(main())
@@ -132,9 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser("controlplane", help="run the control plane (attestation API, xDS, ops)")
     cp.add_argument("--state-dir", type=Path, required=True, help="CA and SQLite state live here")
-    cp.add_argument("--policy", type=Path, required=True, help="AttestationPolicy YAML file")
-    cp.add_argument("--mesh-policy", type=Path, help="MeshPolicy YAML file")
-    cp.add_argument("--workloads", type=Path, help="local-mode workload registrations YAML")
+    cp.add_argument(
+        "--policy", type=Path, help="AttestationPolicy YAML file (local mode, required)"
+    )
+    cp.add_argument("--mesh-policy", type=Path, help="MeshPolicy YAML file (local mode)")
+    cp.add_argument("--workloads", type=Path, help="workload registrations YAML (local mode)")
     cp.add_argument("--trust-domain", default="attestmesh.local")
     cp.add_argument("--host", default="127.0.0.1")
     cp.add_argument("--api-port", type=int, default=8443)
@@ -150,6 +243,31 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="PEM public key of a simulated platform; enables the sim verifier (tests/demo only)",
     )
+    k = cp.add_argument_group(
+        "Kubernetes mode",
+        "policies from AttestationPolicy/MeshPolicy resources, workloads from injected pods, "
+        "agent identity by TokenReview, quarantine as pod label/condition/Event/eviction",
+    )
+    k.add_argument("--kubernetes", action="store_true", help="run in Kubernetes mode")
+    k.add_argument(
+        "--kubeconfig", type=Path, help="kubeconfig file (default: the in-cluster service account)"
+    )
+    k.add_argument("--namespace", help="the control plane's namespace (default attestmesh-system)")
+    k.add_argument("--identity", help="this replica's Lease identity (default $POD_NAME/hostname)")
+    k.add_argument("--lease-name", help="leader-election Lease (attestmesh-controlplane-leader)")
+    k.add_argument("--service-name", help="the control plane's Service (attestmesh-controlplane)")
+    k.add_argument("--webhook-host", help="injection webhook address (default 0.0.0.0)")
+    k.add_argument("--webhook-port", type=int, help="injection webhook port (9443; 0: off)")
+    k.add_argument("--webhook-cert", type=Path, help="webhook serving cert (default: mesh CA)")
+    k.add_argument("--webhook-key", type=Path, help="key of --webhook-cert")
+    k.add_argument(
+        "--webhook-configuration",
+        help="MutatingWebhookConfiguration whose caBundle to set to the mesh CA",
+    )
+    k.add_argument("--probe-host", help="metrics/health listener address (default 0.0.0.0)")
+    k.add_argument("--probe-port", type=int, help="/metrics, /healthz, /readyz (no admin API)")
+    k.add_argument("--sidecar-image", help="image of the injected agent")
+    k.add_argument("--envoy-image", help="image of the injected Envoy")
     cp.set_defaults(func=_controlplane)
 
     from attestmesh.agent_cmd import add_agent_parser

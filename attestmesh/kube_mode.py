@@ -25,6 +25,7 @@ import enum
 import logging
 import ssl
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -95,6 +96,7 @@ class KubeSettings:
     resync: timedelta = timedelta(minutes=5)
     watch_timeout: int = 300
     request_timeout: float = 10.0
+    threads: int = 16  # worker threads for API calls, beside one per watch
     inject: InjectConfig = field(default_factory=InjectConfig)
 
     def service_dns_names(self) -> tuple[str, ...]:
@@ -290,7 +292,6 @@ class KubeMode:
         metrics: Metrics,
         *,
         state_dir: Path,
-        server_ready: asyncio.Event | None = None,
     ) -> None:
         self.kube, self.settings, self.metrics = kube, settings, metrics
         self.state_dir = state_dir
@@ -340,7 +341,6 @@ class KubeMode:
         )
         self.identity = TokenReviewIdentity(TokenReviewer(kube), settings.token_audience)
         self.synced = asyncio.Event()
-        self.server_ready = server_ready
         self.webhook_url: str | None = None
         self.completed: list[Work] = []  # what the worker did, in order (ops and tests read it)
         self._queue: asyncio.Queue[Work] = asyncio.Queue()
@@ -508,12 +508,33 @@ class KubeMode:
                 return
             raise
         bundle = base64.b64encode(self._ca_bundle).decode()
-        hooks = current.get("webhooks") or []
-        if all((h.get("clientConfig") or {}).get("caBundle") == bundle for h in hooks):
+        ops: list[dict[str, Any]] = []
+        for i, h in enumerate(current.get("webhooks") or []):
+            config = h.get("clientConfig")
+            if isinstance(config, dict) and config.get("caBundle") == bundle:
+                continue
+            # the test op makes a concurrent reordering fail instead of patching the wrong hook
+            ops.append({"op": "test", "path": f"/webhooks/{i}/name", "value": h.get("name")})
+            if isinstance(config, dict):
+                ops.append(
+                    {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle}
+                )
+            else:
+                ops.append(
+                    {
+                        "op": "add",
+                        "path": f"/webhooks/{i}/clientConfig",
+                        "value": {"caBundle": bundle},
+                    }
+                )
+        if not ops:
             return
-        for h in hooks:
-            h.setdefault("clientConfig", {})["caBundle"] = bundle
-        await self.kube.call(api.replace_mutating_webhook_configuration, name, current)
+        await self.kube.call(
+            api.patch_mutating_webhook_configuration,
+            name,
+            ops,
+            _content_type="application/json-patch+json",
+        )
         log.info("wrote caBundle into MutatingWebhookConfiguration %s", name)
 
     # -- probes -------------------------------------------------------------------------------
@@ -544,6 +565,14 @@ class KubeMode:
         self._cp = cp
         runners: list[web.AppRunner] = []
         s = self.settings
+        # Each watch holds a worker thread for as long as it streams (the kubernetes client is
+        # synchronous): size the loop's default pool so API calls never queue behind them.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(
+                max_workers=len(self.source.watchers) + 1 + s.threads,
+                thread_name_prefix="attestmesh-kube",
+            )
+        )
         try:
             webhook_ctx: ssl.SSLContext | None = None
             if s.webhook_port is not None:
@@ -572,17 +601,15 @@ class KubeMode:
                 ]
                 if webhook_ctx is not None and s.webhook_cert is None:
                     tasks.append(tg.create_task(self._rotate_webhook_cert(webhook_ctx, stop)))
-                if self.server_ready is not None:
-                    self.server_ready.set()
                 await stop.wait()
+                was_leader = self.elector.is_leader
                 for t in tasks:
                     t.cancel()
+            if was_leader:
+                await self._release_lease()
         finally:
             for runner in runners:
                 await runner.cleanup()
-            if self.elector.is_leader:
-                with contextlib.suppress(Exception):
-                    await self._release_lease()
 
     async def _after_sync(self) -> None:
         await self.source.wait_synced()
@@ -597,14 +624,19 @@ class KubeMode:
     async def _release_lease(self) -> None:
         """Hand the Lease over at shutdown: the next replica need not wait for it to expire."""
         kube, s = self.kube, self.settings
-        lease = await kube.call(kube.coordination.read_namespaced_lease, s.lease_name, s.namespace)
-        spec = lease.get("spec") or {}
-        if spec.get("holderIdentity") != s.identity:
-            return
-        lease["spec"] = {**spec, "holderIdentity": None}
-        await kube.call(
-            kube.coordination.replace_namespaced_lease, s.lease_name, s.namespace, lease
-        )
+        try:
+            lease = await kube.call(
+                kube.coordination.read_namespaced_lease, s.lease_name, s.namespace
+            )
+            spec = lease.get("spec") or {}
+            if spec.get("holderIdentity") != s.identity:
+                return
+            lease["spec"] = {**spec, "holderIdentity": None}
+            await kube.call(
+                kube.coordination.replace_namespaced_lease, s.lease_name, s.namespace, lease
+            )
+        except KubeError as exc:  # it expires on its own
+            log.warning("could not release the lease %s: %s", s.lease_name, exc)
 
 
 def _bound_port(site: web.TCPSite) -> int:

@@ -1,0 +1,461 @@
+"""``attestmesh controlplane --kubernetes`` end to end, in process, against the fake API server
+with the real ``kubernetes`` client: pods become registrations, agents attest with their
+service-account token, quarantine becomes pod label + condition + Event (+ eviction), invalid
+policy resources are refused, audit mode records, and a restart re-applies idempotently."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from kubernetes import client
+
+from attestmesh.cli import main as cli_main
+from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind
+from attestmesh.metrics import Metrics
+from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
+from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
+from sidecar.inject import decode_patch
+from tests.fakekube import FakeKube
+from tests.fakekube.server import ResourceType
+from xds.kube import CONDITION_ACCEPTED, CONDITION_ATTESTED, LABEL_QUARANTINED, KubeClient
+from xds.state import Status
+
+GOOD = bytes.fromhex("a1" * 48)
+BAD = bytes.fromhex("b2" * 48)
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+WEBHOOKS = ResourceType(
+    "admissionregistration.k8s.io",
+    "v1",
+    "mutatingwebhookconfigurations",
+    "MutatingWebhookConfiguration",
+    False,
+)
+GROUP = "attestmesh.dev"
+WEB_TOKEN = "tok-web"  # a token the fake TokenReview knows
+WORKLOAD = "shop/web-0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def policy_cr(name: str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "selector": {"serviceAccounts": ["web"]},
+        "allowedTees": ["sim"],
+        "referenceValues": {"sim": {"measurement": [GOOD.hex()]}},
+    }
+    base.update(spec)
+    return {
+        "apiVersion": "attestmesh.dev/v1alpha1",
+        "kind": "AttestationPolicy",
+        "metadata": {"name": name, "namespace": "shop"},
+        "spec": base,
+    }
+
+
+MESH_POLICY = {
+    "apiVersion": "attestmesh.dev/v1alpha1",
+    "kind": "MeshPolicy",
+    "metadata": {"name": "web-callers", "namespace": "shop"},
+    "spec": {
+        "destination": {"serviceAccount": "web"},
+        "rules": [{"from": [{"serviceAccount": "web"}]}],
+    },
+}
+
+
+def pod_obj(name: str = "web-0", ip: str = "10.1.0.5") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "shop",
+            "labels": {"app": "web"},
+            "annotations": {
+                "attestmesh.dev/injected": "true",
+                "attestmesh.dev/inbound-port": "15006",
+                "attestmesh.dev/app-port": "8080",
+            },
+        },
+        "spec": {
+            "serviceAccountName": "web",
+            "nodeName": "n1",
+            "containers": [{"name": "app", "image": "web:1"}],
+        },
+        "status": {"phase": "Running", "podIP": ip},
+    }
+
+
+async def eventually(check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5.0):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+async def seed(kube: FakeKube, *policies: dict[str, Any]) -> None:
+    await kube.put_object(
+        "namespaces",
+        {"metadata": {"name": "shop", "labels": {"attestmesh.dev/inject": "enabled"}}},
+    )
+    await kube.put_object("nodes", {"metadata": {"name": "n1"}, "spec": {}})
+    for p in policies:
+        await kube.put_object("attestationpolicies", p, GROUP)
+    await kube.put_object("meshpolicies", MESH_POLICY, GROUP)
+    await kube.put_object("pods", pod_obj())
+    await kube.put_object(
+        "mutatingwebhookconfigurations",
+        {
+            "metadata": {"name": "attestmesh-sidecar-injector"},
+            "webhooks": [
+                {
+                    "name": "inject.attestmesh.dev",
+                    "admissionReviewVersions": ["v1"],
+                    "sideEffects": "None",
+                    "clientConfig": {
+                        "service": {"name": "attestmesh-controlplane", "namespace": "x"}
+                    },
+                }
+            ],
+        },
+        WEBHOOKS.group,
+    )
+    kube.add_token(WEB_TOKEN, "shop", "web")
+    kube.add_token("tok-other", "shop", "other")
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    async with FakeKube(bookmark_interval=0.1, extra_resources=(WEBHOOKS,)) as k:
+        yield k
+
+
+@pytest.fixture(scope="module")
+def sim_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sim") / "platform.pem"
+    path.write_bytes(
+        PLATFORM.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return path
+
+
+@dataclass
+class Plane:
+    running: Running
+    mode: KubeMode
+    settings: ControlPlaneSettings
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.settings.api_port}"
+
+    def agent(self, token: str = WEB_TOKEN, source: SimEvidenceSource | None = None) -> Agent:
+        class Sink:
+            def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
+                pass
+
+        return Agent(
+            url=self.url,
+            workload=WORKLOAD,
+            source=source or SimEvidenceSource(PLATFORM, GOOD),
+            sink=Sink(),
+            ssl_context=client_ssl_context(self.running.bundle_pem),
+            token=lambda: token,
+        )
+
+
+@contextlib.asynccontextmanager
+async def control_plane(kube: FakeKube, state_dir: Path, sim_key: Path) -> AsyncIterator[Plane]:
+    settings = ControlPlaneSettings(
+        state_dir=state_dir,
+        sim_platform_keys=(sim_key,),
+        api_port=free_port(),
+        xds_port=free_port(),
+        ops_port=free_port(),
+        deadline_check=timedelta(seconds=1),
+    )
+    metrics = Metrics()
+    kc = KubeClient(client.ApiClient(kube.configuration()), request_timeout=5)
+    mode = KubeMode(
+        kc,
+        KubeSettings(
+            identity="cp-0",
+            webhook_host="127.0.0.1",
+            webhook_port=free_port(),
+            webhook_configuration="attestmesh-sidecar-injector",
+            probe_host="127.0.0.1",
+            probe_port=free_port(),
+            retry_period=timedelta(seconds=0.5),
+            watch_timeout=5,
+        ),
+        metrics,
+        state_dir=state_dir,
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        run_control_plane(settings, stop, ready, metrics=metrics, hooks=mode.hooks())
+    )
+    try:
+        running = await asyncio.wait_for(ready, 10)
+        await asyncio.wait_for(mode.synced.wait(), 5)
+        yield Plane(running, mode, settings)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def pod(kube: FakeKube, name: str = "web-0") -> dict[str, Any]:
+    obj = kube.get("pods", "shop", name)
+    assert obj is not None
+    return obj
+
+
+def attested_conditions(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in obj["status"].get("conditions", []) if c["type"] == CONDITION_ATTESTED]
+
+
+def events(kube: FakeKube, reason: str) -> list[dict[str, Any]]:
+    return [e for e in kube.list("events", "shop") if e["reason"] == reason]
+
+
+def accepted(kube: FakeKube, name: str) -> dict[str, Any]:
+    obj = kube.get("attestationpolicies", "shop", name, GROUP) or {}
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == CONDITION_ACCEPTED), {})
+
+
+async def test_pod_attests_with_its_service_account_token(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        cp = plane.running.cp
+        reg = cp.state.get(WORKLOAD).registration
+        assert (reg.namespace, reg.service_account, reg.app_port) == ("shop", "web", 8080)
+        assert (reg.inbound.address, reg.inbound.port) == ("10.1.0.5", 15006)
+        assert [p.name for p in cp.mesh_policies] == ["web-callers"]
+        assert plane.mode.elector.is_leader
+
+        async with aiohttp.ClientSession() as session:
+            cert = await plane.agent().attest_once(session)
+            assert cert.spiffe_id == "spiffe://attestmesh.local/ns/shop/sa/web"
+            leaf = x509.load_pem_x509_certificate(cert.chain_pem)
+            san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            assert san.get_values_for_type(x509.UniformResourceIdentifier) == [cert.spiffe_id]
+            assert cp.status_of(WORKLOAD) is Status.ATTESTED
+
+            # another service account's token, an unknown token, no token: 401, no quarantine
+            for token in ("tok-other", "forged", ""):
+                with pytest.raises(AgentError) as exc:
+                    await plane.agent(token=token).attest_once(session)
+                assert (exc.value.status, exc.value.reason) == (401, "identity_invalid")
+            assert cp.status_of(WORKLOAD) is Status.ATTESTED
+
+            # the webhook in the same process, trusted through the caBundle it wrote
+            hook = kube.get(
+                "mutatingwebhookconfigurations", "", "attestmesh-sidecar-injector", WEBHOOKS.group
+            )
+            assert hook is not None
+            bundle = base64.b64decode(hook["webhooks"][0]["clientConfig"]["caBundle"])
+            assert bundle == cp.ca.bundle_pem
+            review = {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {
+                    "uid": "u1",
+                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "resource": {"group": "", "version": "v1", "resource": "pods"},
+                    "namespace": "shop",
+                    "operation": "CREATE",
+                    "object": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {"name": "web-1", "namespace": "shop"},
+                        "spec": {
+                            "serviceAccountName": "web",
+                            "containers": [
+                                {"name": "app", "image": "web:1", "ports": [{"containerPort": 80}]}
+                            ],
+                        },
+                    },
+                },
+            }
+            assert plane.mode.webhook_url is not None
+            async with session.post(
+                plane.mode.webhook_url + "/mutate/pods",
+                data=json.dumps(review),
+                ssl=client_ssl_context(bundle),
+            ) as resp:
+                assert resp.status == 200
+                answer = (await resp.json())["response"]
+            # injected because namespace shop is labelled attestmesh.dev/inject=enabled
+            assert answer["allowed"] is True and decode_patch(answer)
+
+            probe = f"http://127.0.0.1:{plane.mode.settings.probe_port}"
+            async with session.get(probe + "/readyz") as resp:
+                assert resp.status == 200
+            async with session.get(probe + "/metrics") as resp:
+                assert "attestmesh_kube_actions_total" in await resp.text()
+            async with session.get(probe + "/v1/admin/workloads") as resp:
+                assert resp.status == 404  # no admin API on the pod network
+
+        # the pod goes away: so does its registration
+        await kube.delete_object("pods", "shop", "web-0")
+        await eventually(lambda: WORKLOAD not in cp.state.workloads)
+
+
+async def test_tampered_reattestation_quarantines_and_restart_reapplies_idempotently(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        cp = plane.running.cp
+        async with aiohttp.ClientSession() as session:
+            source = SimEvidenceSource(PLATFORM, GOOD)
+            agent = plane.agent(source=source)
+            await agent.attest_once(session)
+            source.measurement = BAD  # a tampered image
+            with pytest.raises(AgentError) as exc:
+                await agent.attest_once(session)
+            assert exc.value.status == 403
+        assert cp.status_of(WORKLOAD) is Status.QUARANTINED
+        await plane.mode.drained()
+        obj = pod(kube)
+        assert obj["metadata"]["labels"][LABEL_QUARANTINED] == "true"
+        (cond,) = attested_conditions(obj)
+        assert cond["status"] == "False" and cond["reason"] == "AppraisalFailed"
+        (event,) = events(kube, "Quarantined")
+        assert "measurement" in event["message"] and event["count"] == 1
+        assert kube.get("pods", "shop", "web-0") is not None  # onFailure: quarantine, no eviction
+        node = kube.get("nodes", "", "n1")
+        assert node is not None and not node["spec"].get("taints")  # the platform is fine
+    pod_writes = [r for r in kube.requests if r[0] in ("PATCH", "PUT") and "/pods/web-0" in r[1]]
+
+    # restart with the same state: the quarantine is re-derived and re-applied, changing nothing
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        assert plane.running.cp.status_of(WORKLOAD) is Status.QUARANTINED
+        await eventually(lambda: any(w.kind is WorkKind.REAPPLY for w in plane.mode.completed))
+        await plane.mode.drained()
+        obj = pod(kube)
+        assert obj["metadata"]["labels"][LABEL_QUARANTINED] == "true"
+        assert len(attested_conditions(obj)) == 1
+        (event,) = events(kube, "Quarantined")
+        assert event["count"] == 2  # the same Event, aggregated
+        again = [r for r in kube.requests if r[0] in ("PATCH", "PUT") and "/pods/web-0" in r[1]]
+        assert again == pod_writes  # nothing written to the pod
+        # still quarantined: no certificate
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(AgentError) as exc:
+                await plane.agent().attest_once(session)
+            assert exc.value.reason == "quarantined"
+
+            # the operator releases it: label gone, condition True; a fresh attestation admits
+            assert plane.running.cp.release(WORKLOAD)
+            await plane.mode.drained()
+            obj = pod(kube)
+            assert LABEL_QUARANTINED not in obj["metadata"]["labels"]
+            (cond,) = attested_conditions(obj)
+            assert cond["status"] == "True"
+            await plane.agent().attest_once(session)
+            assert plane.running.cp.status_of(WORKLOAD) is Status.ATTESTED
+    lease = kube.get(
+        "leases", "attestmesh-system", "attestmesh-controlplane-leader", "coordination.k8s.io"
+    )
+    assert lease is not None and lease["spec"].get("holderIdentity") is None  # handed over
+
+
+async def test_quarantine_and_evict(kube: FakeKube, tmp_path: Path, sim_key: Path) -> None:
+    await seed(kube, policy_cr("web", onFailure="quarantineAndEvict"))
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        async with aiohttp.ClientSession() as session:
+            source = SimEvidenceSource(PLATFORM, GOOD)
+            agent = plane.agent(source=source)
+            await agent.attest_once(session)
+            source.measurement = BAD  # a tampered image
+            with pytest.raises(AgentError):
+                await agent.attest_once(session)
+        await plane.mode.drained()
+        assert kube.get("pods", "shop", "web-0") is None  # evicted
+        assert len(events(kube, "Quarantined")) == 1
+        assert any(r[0] == "POST" and r[1].endswith("/pods/web-0/eviction") for r in kube.requests)
+        await eventually(lambda: WORKLOAD not in plane.running.cp.state.workloads)
+
+
+async def test_invalid_policy_resource_is_refused_and_the_previous_stays(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        await eventually(lambda: accepted(kube, "web").get("status") == "True")
+        broken = policy_cr("web", allowedTees=["quantum"], certificateTTL="forever")
+        await kube.put_object("attestationpolicies", broken, GROUP)
+        await eventually(lambda: accepted(kube, "web").get("status") == "False")
+        cond = accepted(kube, "web")
+        assert cond["reason"] == "Invalid"
+        assert "quantum" in cond["message"] and "forever" in cond["message"]
+        assert "previous valid version stays in force" in cond["message"]
+        (event,) = events(kube, "Invalid")
+        assert event["involvedObject"]["kind"] == "AttestationPolicy"
+        assert [p.name for p in plane.mode.policies] == ["shop/web"]
+        assert plane.mode.policies[0].allowed_tees  # the old, valid spec
+        async with aiohttp.ClientSession() as session:
+            cert = await plane.agent().attest_once(session)  # still admitted by the old policy
+        assert cert.spiffe_id.endswith("/ns/shop/sa/web")
+
+
+async def test_audit_mode_records_an_event_and_quarantines_nothing(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    rollout = policy_cr(
+        "web-next", mode="audit", referenceValues={"sim": {"measurement": [BAD.hex()]}}
+    )
+    await seed(kube, policy_cr("web"), rollout)
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        async with aiohttp.ClientSession() as session:
+            await plane.agent().attest_once(session)
+        await plane.mode.drained()
+        assert plane.running.cp.status_of(WORKLOAD) is Status.ATTESTED
+        (event,) = events(kube, "AttestationAudit")
+        assert "would quarantine" in event["message"] and "measurement" in event["message"]
+        obj = pod(kube)
+        assert LABEL_QUARANTINED not in obj["metadata"]["labels"]
+        assert attested_conditions(obj) == []
+        assert events(kube, "Quarantined") == []
+
+
+def test_cli_mode_specific_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert cli_main(["controlplane", "--state-dir", str(tmp_path)]) == 2
+    assert "--policy is required in local mode" in capsys.readouterr().err
+    argv = ["controlplane", "--state-dir", str(tmp_path), "--kubernetes", "--policy", "p.yaml"]
+    assert cli_main([*argv, "--webhook-cert", "c.pem"]) == 2
+    err = capsys.readouterr().err
+    assert "--policy is for local mode" in err
+    assert "--webhook-cert and --webhook-key go together" in err
+    assert cli_main(["controlplane", "--state-dir", str(tmp_path), "--policy", "p.yaml",
+                     "--lease-name", "x"]) == 2  # fmt: skip
+    assert "--lease-name needs --kubernetes" in capsys.readouterr().err
+    missing = tmp_path / "missing-kubeconfig"
+    k = ["controlplane", "--state-dir", str(tmp_path / "s"), "--kubernetes"]
+    assert cli_main([*k, "--kubeconfig", str(missing)]) == 2
+    assert "kube_config_invalid" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # refused before any state was opened
