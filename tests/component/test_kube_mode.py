@@ -9,6 +9,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from kubernetes import client
 
+from attestmesh.cli import _check_mode, build_parser
 from attestmesh.cli import main as cli_main
 from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind
 from attestmesh.metrics import Metrics
@@ -459,3 +462,23 @@ def test_cli_mode_specific_flags(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert cli_main([*k, "--kubeconfig", str(missing)]) == 2
     assert "kube_config_invalid" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()  # refused before any state was opened
+
+
+def test_deployment_args_are_cli_flags() -> None:
+    """manifests/base/controlplane.yaml runs exactly what the CLI accepts in Kubernetes mode."""
+    root = Path(__file__).resolve().parents[2]
+    docs = yaml.safe_load_all((root / "manifests" / "base" / "controlplane.yaml").read_text())
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["attestmesh", "controlplane"]
+    env = {"POD_NAMESPACE": "attestmesh-system", "POD_NAME": "attestmesh-controlplane-abc"}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+    parsed = build_parser().parse_args(["controlplane", *args])
+    _check_mode(parsed)  # no mode-specific problem
+    assert parsed.kubernetes and parsed.identity == "attestmesh-controlplane-abc"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert parsed.api_port == ports["https-attest"] and parsed.xds_port == ports["grpc-xds"]
+    assert parsed.webhook_port == ports["https-webhook"]
+    assert parsed.probe_port == ports["http-metrics"]
+    probe_ports = {container[p]["httpGet"]["port"] for p in ("livenessProbe", "readinessProbe")}
+    assert probe_ports == {"http-metrics"}
