@@ -39,6 +39,8 @@ class RequestError(AttestmeshError):
 
 
 def _http_status(exc: AttestmeshError) -> int:
+    if exc.reason == "too_many_challenges":
+        return 429
     if isinstance(exc, RequestError | CsrError | NonceError):
         return 400
     if isinstance(exc, IdentityError):

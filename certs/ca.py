@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -316,7 +316,23 @@ class CertificateAuthority:
         if all(p.exists() for p in paths.values()):
             root = x509.load_pem_x509_certificate(paths["root.pem"].read_bytes())
             inter = x509.load_pem_x509_certificate(paths["intermediate.pem"].read_bytes())
-            ca = cls(root, Issuer(inter, _load_key(paths["intermediate.key"])), trust_domain)
+            inter_key = _load_key(paths["intermediate.key"])
+            root_key = _load_key(paths["root.key"])
+            try:
+                inter.verify_directly_issued_by(root)
+            except (ValueError, TypeError, InvalidSignature):
+                raise AttestmeshError(
+                    "ca_inconsistent", f"{directory}: the intermediate is not issued by the root"
+                ) from None
+            keys_match = (
+                inter_key.public_key() == inter.public_key()
+                and root_key.public_key() == root.public_key()
+            )
+            if not keys_match:
+                raise AttestmeshError(
+                    "ca_inconsistent", f"{directory}: a CA key does not match its certificate"
+                )
+            ca = cls(root, Issuer(inter, inter_key), trust_domain)
             constraints = inter.extensions.get_extension_for_class(x509.NameConstraints).value
             permitted = [g.value for g in constraints.permitted_subtrees or []]
             if trust_domain not in permitted:

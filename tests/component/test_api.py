@@ -27,6 +27,7 @@ from certs.ca import BACKDATE, CLAIMS_OID, decode_claims_extension
 from certs.errors import CollateralError, EvidenceVerificationError, PolicyError
 from certs.evidence.claims import Tee
 from certs.evidence.sim import SimVerifier
+from certs.nonces import NonceBook
 from sidecar.agent import SimEvidenceSource
 from tests.unit.fixtures_core import (
     MEASUREMENT,
@@ -350,6 +351,17 @@ async def test_renew_needs_an_attested_workload(env: Env) -> None:
     assert_refused(env, reply, 409, "not_attested", endpoint="renew")
     reply = await attest(env, "ghost", path="/v1/renew")
     assert (reply.status, reply.body["error"]) == (404, "unknown_identity")
+
+
+async def test_too_many_outstanding_challenges_is_429(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(env.cp, "_nonces", NonceBook(max_outstanding=1))
+    await challenge(env)
+    resp = await env.client.post("/v1/challenge")
+    body = await resp.json()
+    assert (resp.status, body["error"]) == (429, "too_many_challenges")
+    assert env.plane.rejections("challenge", "too_many_challenges") == 1.0
 
 
 async def test_oversized_body_is_refused(env: Env) -> None:

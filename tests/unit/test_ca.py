@@ -146,6 +146,23 @@ def test_load_or_create_refuses_another_trust_domain(tmp_path: Path) -> None:
     assert info.value.reason == "ca_trust_domain_mismatch"
 
 
+@pytest.mark.parametrize(
+    ("swap", "source"),
+    [
+        ("intermediate.key", "root.key"),  # a key that does not match its certificate
+        ("root.key", "intermediate.key"),
+        ("intermediate.pem", "other/intermediate.pem"),  # not issued by this root
+    ],
+)
+def test_load_or_create_refuses_an_inconsistent_ca(tmp_path: Path, swap: str, source: str) -> None:
+    CertificateAuthority.load_or_create(tmp_path, TRUST_DOMAIN, NOW)
+    CertificateAuthority.load_or_create(tmp_path / "other", TRUST_DOMAIN, NOW)
+    (tmp_path / swap).write_bytes((tmp_path / source).read_bytes())
+    with pytest.raises(AttestmeshError) as info:
+        CertificateAuthority.load_or_create(tmp_path, TRUST_DOMAIN, NOW)
+    assert info.value.reason == "ca_inconsistent"
+
+
 # ---------------------------------------------------------------------------------------------
 # leaf
 
