@@ -44,7 +44,7 @@ from attestmesh.serve import Hooks, XdsPublisher
 from certs.ca import CertificateAuthority, build_server_cert
 from certs.errors import AttestmeshError, PolicyError
 from certs.issuance import IdentityError
-from certs.policy import AttestationPolicy, Mode, OnFailure, policies_for
+from certs.policy import AttestationPolicy, Mode, OnFailure, parse_policies, policies_for
 from sidecar.inject import InjectConfig, NamespaceLabels, build_app, webhook_counter
 from xds.build import TrustMaterial
 from xds.kube import (
@@ -370,6 +370,8 @@ class KubeMode:
 
     async def _on_policy_documents(self, docs: list[dict[str, Any]]) -> None:
         try:
+            # known before set_policies quarantines anything: eviction follows the new policy
+            self.policies = parse_policies(docs)
             self.policies = self.cp.set_policies(docs)
         except PolicyError as exc:  # each CR was valid alone; together they are not
             log.error("refused AttestationPolicies: %s", "; ".join(exc.problems))
