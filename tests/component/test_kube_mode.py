@@ -13,7 +13,7 @@ import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +27,16 @@ from kubernetes import client
 
 from attestmesh.cli import _check_mode, build_parser
 from attestmesh.cli import main as cli_main
-from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind
+from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind, build_work
 from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
+from certs.policy import parse_policies
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from sidecar.inject import decode_patch
 from tests.fakekube import FakeKube
 from tests.fakekube.server import ResourceType
 from xds.kube import CONDITION_ACCEPTED, CONDITION_ATTESTED, LABEL_QUARANTINED, KubeClient
-from xds.state import Status
+from xds.state import Endpoint, Event, EventKind, MeshState, Registration, Status, Trigger, register
 
 GOOD = bytes.fromhex("a1" * 48)
 BAD = bytes.fromhex("b2" * 48)
@@ -50,6 +51,7 @@ WEBHOOKS = ResourceType(
 GROUP = "attestmesh.dev"
 WEB_TOKEN = "tok-web"  # a token the fake TokenReview knows
 WORKLOAD = "shop/web-0"
+T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def free_port() -> int:
@@ -187,7 +189,9 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def control_plane(kube: FakeKube, state_dir: Path, sim_key: Path) -> AsyncIterator[Plane]:
+async def control_plane(
+    kube: FakeKube, state_dir: Path, sim_key: Path, identity: str = "cp-0"
+) -> AsyncIterator[Plane]:
     settings = ControlPlaneSettings(
         state_dir=state_dir,
         sim_platform_keys=(sim_key,),
@@ -201,7 +205,7 @@ async def control_plane(kube: FakeKube, state_dir: Path, sim_key: Path) -> Async
     mode = KubeMode(
         kc,
         KubeSettings(
-            identity="cp-0",
+            identity=identity,
             webhook_host="127.0.0.1",
             webhook_port=free_port(),
             webhook_configuration="attestmesh-sidecar-injector",
@@ -444,6 +448,60 @@ async def test_audit_mode_records_an_event_and_quarantines_nothing(
         assert LABEL_QUARANTINED not in obj["metadata"]["labels"]
         assert attested_conditions(obj) == []
         assert events(kube, "Quarantined") == []
+
+
+async def test_only_the_leader_acts_every_replica_attests(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    async with (
+        control_plane(kube, tmp_path / "a", sim_key, "cp-a") as leader,
+        control_plane(kube, tmp_path / "b", sim_key, "cp-b") as follower,
+    ):
+        assert leader.mode.elector.is_leader and not follower.mode.elector.is_leader
+        async with aiohttp.ClientSession() as session:
+            source = SimEvidenceSource(PLATFORM, GOOD)
+            agent = follower.agent(source=source)
+            await agent.attest_once(session)  # the follower serves attestation
+            source.measurement = BAD
+            with pytest.raises(AgentError):
+                await agent.attest_once(session)
+        assert follower.running.cp.status_of(WORKLOAD) is Status.QUARANTINED
+        await follower.mode.drained()
+        assert [w.kind for w in follower.mode.completed] == [WorkKind.QUARANTINE]
+        obj = pod(kube)
+        assert LABEL_QUARANTINED not in obj["metadata"]["labels"]  # a follower writes nothing
+        assert events(kube, "Quarantined") == []
+
+
+def test_build_work_is_pure_and_only_for_pods() -> None:
+    reg = Registration("shop/web-0", "shop", "web", "web", Endpoint("10.0.0.1", 15006), 8080)
+    state, _ = register(MeshState("attestmesh.local"), reg, T0)
+    local = Registration("local-1", "default", "x", "x", Endpoint("127.0.0.1", 1), 2)
+    state, _ = register(state, local, T0)
+    (evicting,) = parse_policies([policy_cr("web", onFailure="quarantineAndEvict")])
+    (auditing,) = parse_policies(
+        [policy_cr("web-audit", mode="audit", onFailure="quarantineAndEvict")]
+    )
+    evs = [
+        Event(
+            EventKind.QUARANTINED, "shop/web-0", T0, "chain_invalid: x", Trigger.VERIFICATION_FAILED
+        ),
+        Event(EventKind.QUARANTINED, "local-1", T0, "x", Trigger.OPERATOR),
+        Event(EventKind.RELEASED, "shop/web-0", T0),
+        Event(EventKind.AUDIT, "shop/web-0", T0, "measurement_not_allowed: m"),
+        Event(EventKind.ATTESTED, "shop/web-0", T0),
+    ]
+    work = build_work(state, evs, [evicting])
+    assert [(w.kind, w.workload) for w in work] == [
+        (WorkKind.QUARANTINE, "shop/web-0"),
+        (WorkKind.RELEASE, "shop/web-0"),
+        (WorkKind.AUDIT, "shop/web-0"),
+    ]
+    assert work[0].evict and work[0].platform_failed  # chain_invalid indicts the platform
+    # an audit-mode policy never evicts; no governing policy: quarantine only
+    assert not build_work(state, evs[:1], [auditing])[0].evict
+    assert not build_work(state, evs[:1], [])[0].evict
 
 
 def test_cli_mode_specific_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
