@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import random
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -632,7 +633,8 @@ class Watcher:
 
         def pump() -> None:
             def put(item: tuple[str, Any]) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
 
             try:
                 for ev in w.stream(
@@ -651,7 +653,9 @@ class Watcher:
             finally:
                 put(("end", None))
 
-        thread = asyncio.ensure_future(asyncio.to_thread(pump))
+        # A daemon thread, never awaited: a blocking read cannot be interrupted, and awaiting it
+        # (or the default executor, at loop shutdown) would wait for the watch timeout.
+        threading.Thread(target=pump, name=f"watch-{self.spec.resource}", daemon=True).start()
         try:
             while True:
                 kind, item = await queue.get()
@@ -678,8 +682,6 @@ class Watcher:
         finally:
             w.stop()
             self._watch = None
-            with contextlib.suppress(Exception):
-                await thread
 
 
 # Events -----------------------------------------------------------------------------------

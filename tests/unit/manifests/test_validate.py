@@ -305,7 +305,7 @@ def test_project_crds_are_structural_with_status_and_printer_columns() -> None:
         assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
         assert version["subresources"] == {"status": {}}
         columns = {c["name"] for c in version["additionalPrinterColumns"]}
-        assert {"Mode", "Ready", "Age"} <= columns, kind
+        assert {"Mode", "Accepted", "Age"} <= columns, kind
         schema = version["schema"]["openAPIV3Schema"]
         assert structural_problems(schema) == []
         condition = schema["properties"]["status"]["properties"]["conditions"]["items"]
