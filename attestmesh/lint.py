@@ -737,9 +737,13 @@ def _check_enclave_workload(pod: PodTemplate, pools: Sequence[Pool], report: _Re
     want = pod.requests()
     if want.get(RES_HUGEPAGES, Decimal(0)) > 0 or want.get(RES_ENCLAVES, Decimal(0)) > 0:
         volumes = [v for v in _list(pod.spec.get("volumes")) if isinstance(v, Mapping)]
-        huge = {v.get("name") for v in volumes if _get(v, "emptyDir", "medium") == HUGEPAGES_MEDIUM}
+        huge = {
+            v.get("name")
+            for v in volumes
+            if _get(v, "emptyDir", "medium") == HUGEPAGES_MEDIUM and isinstance(v.get("name"), str)
+        }
         mounted = any(
-            _map(m).get("name") in huge
+            isinstance(_map(m).get("name"), str) and _map(m).get("name") in huge
             for c in pod.containers()
             for m in _list(c.get("volumeMounts"))
         )

@@ -22,9 +22,9 @@ API_GROUP = "attestmesh.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND_ATTESTATION_POLICY = "AttestationPolicy"
 
-_HEX = re.compile(r"^[0-9a-fA-F]*$")
-_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_HEX = re.compile(r"[0-9a-fA-F]*")
+_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 MIN_TTL = timedelta(minutes=1)
 MAX_TTL = timedelta(hours=24)
@@ -203,7 +203,7 @@ def appraise(claims: Claims, policy: AttestationPolicy, now: datetime) -> Decisi
 
 
 def parse_duration(text: str) -> timedelta:
-    m = _DURATION.match(text.strip()) if isinstance(text, str) else None
+    m = _DURATION.fullmatch(text.strip()) if isinstance(text, str) else None
     if not m or not text.strip():
         raise ValueError(f"invalid duration {text!r} (use e.g. 90s, 10m, 1h30m)")
     h, mi, s = (int(g) if g else 0 for g in m.groups())
@@ -231,7 +231,7 @@ def _hex_list(value: Any, where: str, problems: _Problems) -> frozenset[str]:
         return frozenset()
     out: set[str] = set()
     for i, item in enumerate(value):
-        if not isinstance(item, str) or not item or not _HEX.match(item) or len(item) % 2:
+        if not isinstance(item, str) or not item or not _HEX.fullmatch(item) or len(item) % 2:
             problems.add(f"{where}[{i}]", f"not a hex string: {item!r}")
         else:
             out.add(item.lower())
@@ -349,9 +349,9 @@ def _parse_one(doc: Any, index: int, p: _Problems) -> AttestationPolicy | None:
         name = meta["name"]
         namespace = meta.get("namespace", "default")
         generation = meta.get("generation", 0) if isinstance(meta.get("generation"), int) else 0
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             p.add(f"{where}.metadata.name", f"not a DNS-1123 label: {name!r}")
-        if not isinstance(namespace, str) or not _NAME.match(namespace):
+        if not isinstance(namespace, str) or not _NAME.fullmatch(namespace):
             p.add(f"{where}.metadata.namespace", f"not a DNS-1123 label: {namespace!r}")
             namespace = "default"
     where = f"{name or where}"
