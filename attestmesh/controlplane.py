@@ -54,6 +54,7 @@ from xds.state import (
     record_attestation,
     register,
     release,
+    unregister,
 )
 from xds.store import StateStore
 
@@ -143,7 +144,6 @@ class ControlPlane:
         self._identity = identity or RegistrationTokenCheck()
         self._collateral = dict(collateral_sources or {})
         self._nonces = NonceBook()
-        self._claims: dict[str, Claims] = {}
         self._crl_at: datetime | None = None
         self._trust = self._build_trust(clock())
         self._update_gauges()
@@ -160,6 +160,10 @@ class ControlPlane:
     @property
     def mesh_policies(self) -> tuple[MeshPolicy, ...]:
         return self._mesh_policies
+
+    @property
+    def policies(self) -> tuple[AttestationPolicy, ...]:
+        return self._policies
 
     @property
     def ca(self) -> CertificateAuthority:
@@ -262,6 +266,7 @@ class ControlPlane:
             policy=admitted.policy,
             evidence_sha256=admitted.claims.evidence_sha256,
             at=now,
+            claims=admitted.claims,
         )
         state, events = record_attestation(
             self._state, req.workload, record, IssuedCert(serial, not_after), due, now
@@ -269,7 +274,6 @@ class ControlPlane:
         for finding in audit_findings(verified.claims, governing, now):
             self._metrics.audit_findings.labels(finding.reason).inc()
             events.append(Event(EventKind.AUDIT, req.workload, now, "; ".join(finding.reasons)))
-        self._claims[req.workload] = admitted.claims
         self._apply(state, events, trust_changed=False)
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
@@ -306,11 +310,17 @@ class ControlPlane:
         state, events = quarantine(self._state, name, trigger, reason, self._clock())
         if not events:
             return False
-        self._claims.pop(name, None)
         self._metrics.quarantine_events.labels(trigger.value).inc()
         self._apply(state, events, trust_changed=False)
         log.warning("quarantined %s (%s): %s", name, trigger, reason)
         return True
+
+    def unregister(self, name: str) -> bool:
+        """The workload is gone (its pod was deleted): its endpoint leaves every cluster."""
+        state, events = unregister(self._state, name, self._clock())
+        if events:
+            self._apply(state, events, trust_changed=False)
+        return bool(events)
 
     def release(self, name: str) -> bool:
         state, events = release(self._state, name, self._clock())
@@ -341,10 +351,14 @@ class ControlPlane:
         self._policies = policies
         self._metrics.policy_reloads.labels("ok").inc()
         now = self._clock()
-        for name, claims in list(self._claims.items()):
-            reg = self._state.get(name).registration
+        for name, w in sorted(self._state.workloads.items()):
+            if w.status is not Status.ATTESTED or w.attestation is None:
+                continue
+            if w.attestation.claims is None:
+                continue
+            reg = w.registration
             governing = policies_for(policies, reg.namespace, reg.service_account, reg.labels)
-            decision = appraise_all(claims, governing, now)
+            decision = appraise_all(w.attestation.claims, governing, now)
             if isinstance(decision, Rejected):
                 self.quarantine(name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons))
         return policies

@@ -26,7 +26,7 @@ import logging
 import ssl
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -228,20 +228,6 @@ class KubePublisher:
             self._mode.submit(work)
 
 
-def unregister(cp: ControlPlane, name: str) -> bool:
-    """Forget a pod's registration (the pod is gone): its endpoint leaves every cluster.
-    Its certificates are not revoked (a terminating pod may still drain); they expire.
-
-    ControlPlane has no public transition for this yet; this reaches into it (see report)."""
-    state = cp.state
-    if name not in state.workloads:
-        return False
-    new = replace(state, workloads={k: v for k, v in state.workloads.items() if k != name})
-    cp._claims.pop(name, None)
-    cp._apply(new, [], trust_changed=False)
-    return True
-
-
 # ---------------------------------------------------------------------------------------------
 # TLS for the webhook
 
@@ -385,7 +371,7 @@ class KubeMode:
         self.cp.register([reg])
 
     async def _on_removed(self, name: str) -> None:
-        if unregister(self.cp, name):
+        if self.cp.unregister(name):
             log.info("pod %s is gone: registration removed", name)
 
     async def _namespaces_listed(self, items: list[dict[str, Any]]) -> None:
@@ -620,7 +606,7 @@ class KubeMode:
         live = set(self.source.pods)
         for name in sorted(set(self.cp.state.workloads) - live):
             if "/" in name:  # a pod's workload name; local registrations are left alone
-                unregister(self.cp, name)
+                self.cp.unregister(name)
         self.synced.set()
 
     async def _release_lease(self) -> None:
@@ -658,5 +644,4 @@ __all__ = [
     "build_work",
     "connect",
     "should_evict",
-    "unregister",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from certs.errors import AttestmeshError
+from certs.evidence.claims import Claims
 
 
 class Status(enum.StrEnum):
@@ -76,6 +77,7 @@ class AttestationRecord:
     policy: str
     evidence_sha256: str
     at: datetime
+    claims: Claims | None = None  # the appraised claims, kept to re-appraise on policy change
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,7 @@ class EventKind(enum.StrEnum):
     ATTESTED = "attested"
     QUARANTINED = "quarantined"
     RELEASED = "released"
+    UNREGISTERED = "unregistered"
     AUDIT = "audit"  # an audit-mode policy would have rejected; nothing was done
 
 
@@ -221,6 +224,16 @@ def release(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list
         return state, []
     new = replace(w, status=Status.PENDING, quarantine=None, attestation=None)
     return _with(state, new), [Event(EventKind.RELEASED, name, now)]
+
+
+def unregister(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list[Event]]:
+    """Forget a workload that is gone (e.g. its pod was deleted): its endpoint leaves every
+    cluster. Its certificates are not revoked (a terminating pod may still drain); they expire.
+    A quarantined workload's revocations stay in the CRL."""
+    if name not in state.workloads:
+        return state, []
+    workloads = {k: v for k, v in state.workloads.items() if k != name}
+    return replace(state, workloads=workloads), [Event(EventKind.UNREGISTERED, name, now)]
 
 
 def overdue(state: MeshState, now: datetime) -> list[str]:

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from certs.evidence.claims import Claims, Tee
 from xds.state import (
     AttestationRecord,
     Endpoint,
@@ -53,6 +54,42 @@ def _dt(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
+def claims_to_doc(c: Claims) -> dict[str, Any]:
+    return {
+        "tee": c.tee.value,
+        "measurements": dict(c.measurements),
+        "report_data": c.report_data.hex(),
+        "debug": c.debug,
+        "evidence_sha256": c.evidence_sha256,
+        "signer": c.signer,
+        "product_id": c.product_id,
+        "svn": c.svn,
+        "platform_id": c.platform_id,
+        "tcb": dict(c.tcb),
+        "tcb_status": c.tcb_status,
+        "advisories": list(c.advisories),
+        "details": dict(c.details),
+    }
+
+
+def claims_from_doc(d: dict[str, Any]) -> Claims:
+    return Claims(
+        tee=Tee(d["tee"]),
+        measurements=dict(d["measurements"]),
+        report_data=bytes.fromhex(d["report_data"]),
+        debug=bool(d["debug"]),
+        evidence_sha256=d["evidence_sha256"],
+        signer=d["signer"],
+        product_id=d["product_id"],
+        svn=d["svn"],
+        platform_id=d["platform_id"],
+        tcb={k: int(v) for k, v in d["tcb"].items()},
+        tcb_status=d["tcb_status"],
+        advisories=tuple(d["advisories"]),
+        details=dict(d["details"]),
+    )
+
+
 def workload_to_doc(w: WorkloadState) -> dict[str, Any]:
     r = w.registration
     a = w.attestation
@@ -78,6 +115,7 @@ def workload_to_doc(w: WorkloadState) -> dict[str, Any]:
             "policy": a.policy,
             "evidence_sha256": a.evidence_sha256,
             "at": a.at.isoformat(),
+            "claims": None if a.claims is None else claims_to_doc(a.claims),
         },
         "next_attestation_due": w.next_attestation_due.isoformat()
         if w.next_attestation_due
@@ -114,6 +152,7 @@ def workload_from_doc(doc: dict[str, Any]) -> WorkloadState:
             policy=a["policy"],
             evidence_sha256=a["evidence_sha256"],
             at=datetime.fromisoformat(a["at"]),
+            claims=claims_from_doc(a["claims"]) if a.get("claims") else None,
         ),
         next_attestation_due=_dt(doc["next_attestation_due"]),
         certificates=tuple(
@@ -146,7 +185,8 @@ class SqliteStore:
         revocations = tuple(
             Revocation(int(s), datetime.fromisoformat(na), datetime.fromisoformat(ra), w)
             for s, w, na, ra in self._db.execute(
-                "SELECT serial, workload, not_after, revoked_at FROM revocations ORDER BY revoked_at"
+                "SELECT serial, workload, not_after, revoked_at FROM revocations "
+                "ORDER BY revoked_at"
             )
         )
         return MeshState(trust_domain, workloads, revocations)
@@ -212,4 +252,3 @@ class SqliteStore:
             Event(EventKind(k), w, datetime.fromisoformat(at), reason, Trigger(t) if t else None)
             for at, k, w, t, reason in reversed(rows)
         ]
-

@@ -578,12 +578,6 @@ async def test_restart_keeps_quarantine_revocations_and_the_ca(
         ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (reported): appraised claims live only in memory, so after a restart a "
-    "policy change no longer quarantines workloads attested before the restart; they keep "
-    "their certificates until their next re-attestation",
-)
 async def test_policy_change_after_restart_quarantines_a_running_workload(
     tmp_path: Path, clock: Clock
 ) -> None:
