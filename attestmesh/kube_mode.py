@@ -32,16 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh.controlplane import ControlPlane, Publisher
 from attestmesh.metrics import Metrics
 from attestmesh.serve import Hooks, XdsPublisher
-from certs.ca import CertificateAuthority, build_server_cert
+from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import AttestmeshError, PolicyError
 from certs.issuance import IdentityError
 from certs.policy import AttestationPolicy, Mode, OnFailure, parse_policies, policies_for
@@ -239,29 +236,10 @@ def _issue_webhook_tls(
     now: datetime,
     directory: Path,
 ) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = build_server_cert(
-        ca,
-        key,
-        spiffe_id=spiffe_id,
-        dns_names=dns_names,
-        ips=("127.0.0.1",),
-        serial=x509.random_serial_number(),
-        now=now,
-        ttl=WEBHOOK_CERT_TTL,
-    )
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    cert_path, key_path = directory / "webhook.pem", directory / "webhook.key"
-    cert_path.write_bytes(ca.chain_pem(cert))
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
+    return issue_serving_credentials(
+        ca, directory, "webhook", spiffe_id=spiffe_id, dns_names=dns_names,
+        ips=("127.0.0.1",), now=now, ttl=WEBHOOK_CERT_TTL,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

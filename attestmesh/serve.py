@@ -20,8 +20,6 @@ import aiohttp
 import yaml
 from aiohttp import web
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -29,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from attestmesh.controlplane import CollateralSource, ControlPlane, IdentityCheck, Publisher
 from attestmesh.metrics import Metrics
 from certs import api
-from certs.ca import CertificateAuthority, build_server_cert
+from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.collateral.amd_kds import KdsCollateralSource
 from certs.collateral.cache import DiskCache, http_fetcher
 from certs.collateral.intel_pcs import PcsCollateralSource, http_fetcher_with_headers
@@ -116,28 +114,15 @@ class Hooks:
 def _server_tls(
     ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
 ) -> ssl.SSLContext:
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = build_server_cert(
+    cert_path, key_path = issue_serving_credentials(
         ca,
-        key,
+        settings.state_dir / "tls",
+        "server",
         spiffe_id=f"spiffe://{settings.trust_domain}/ns/attestmesh-system/sa/controlplane",
         dns_names=settings.server_names,
         ips=("127.0.0.1",),
-        serial=x509.random_serial_number(),
         now=now,
         ttl=timedelta(hours=24),
-    )
-    cert_path = settings.state_dir / "tls" / "server.pem"
-    key_path = settings.state_dir / "tls" / "server.key"
-    cert_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    cert_path.write_bytes(ca.chain_pem(cert))
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
     )
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert_path, key_path)

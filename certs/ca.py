@@ -408,3 +408,34 @@ def build_server_cert(
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca.intermediate.key, hashes.SHA256())
     )
+
+
+def issue_serving_credentials(
+    ca: CertificateAuthority,
+    directory: Path,
+    stem: str,
+    *,
+    spiffe_id: str,
+    dns_names: Iterable[str],
+    ips: Iterable[str],
+    now: datetime,
+    ttl: timedelta,
+) -> tuple[Path, Path]:
+    """A fresh key and serving certificate from the mesh CA, written as ``<stem>.pem`` (chain)
+    and ``<stem>.key`` (0600) in ``directory``, ready for ``SSLContext.load_cert_chain``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = build_server_cert(
+        ca,
+        key,
+        spiffe_id=spiffe_id,
+        dns_names=dns_names,
+        ips=ips,
+        serial=x509.random_serial_number(),
+        now=now,
+        ttl=ttl,
+    )
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}.key"
+    _write_private(key_path, _key_pem(key))
+    cert_path.write_bytes(ca.chain_pem(cert))
+    return cert_path, key_path

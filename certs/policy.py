@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from certs.errors import PolicyError
-from certs.evidence.claims import Claims, Tee
+from certs.evidence.claims import Claims, TcbStatus, Tee
 
 API_GROUP = "attestmesh.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -40,16 +40,6 @@ class Mode(enum.StrEnum):
 class OnFailure(enum.StrEnum):
     QUARANTINE = "quarantine"
     QUARANTINE_AND_EVICT = "quarantineAndEvict"
-
-
-class TcbStatus(enum.StrEnum):
-    UP_TO_DATE = "UpToDate"
-    SW_HARDENING_NEEDED = "SWHardeningNeeded"
-    CONFIGURATION_NEEDED = "ConfigurationNeeded"
-    CONFIGURATION_AND_SW_HARDENING_NEEDED = "ConfigurationAndSWHardeningNeeded"
-    OUT_OF_DATE = "OutOfDate"
-    OUT_OF_DATE_CONFIGURATION_NEEDED = "OutOfDateConfigurationNeeded"
-    REVOKED = "Revoked"
 
 
 # Reference-value key in the policy (camelCase, as in the CRD) -> claims.measurements key.

@@ -22,6 +22,18 @@ class Tee(enum.StrEnum):
     NVIDIA_GPU = "nvidia-gpu"
 
 
+class TcbStatus(enum.StrEnum):
+    """Intel's TCB status vocabulary (also used by policies to accept statuses)."""
+
+    UP_TO_DATE = "UpToDate"
+    SW_HARDENING_NEEDED = "SWHardeningNeeded"
+    CONFIGURATION_NEEDED = "ConfigurationNeeded"
+    CONFIGURATION_AND_SW_HARDENING_NEEDED = "ConfigurationAndSWHardeningNeeded"
+    OUT_OF_DATE = "OutOfDate"
+    OUT_OF_DATE_CONFIGURATION_NEEDED = "OutOfDateConfigurationNeeded"
+    REVOKED = "Revoked"
+
+
 Detail = str | int | bool
 
 

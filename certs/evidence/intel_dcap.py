@@ -34,7 +34,6 @@ Separate names override the same part of ``collateral_json``.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import hmac
 import itertools
@@ -55,6 +54,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
+from certs.evidence.claims import TcbStatus
 
 # --------------------------------------------------------------------------------------------
 # Wire constants
@@ -91,16 +91,6 @@ TD_ATTR_DEBUG = 0x01
 
 _SGX_EXT_OID = x509.ObjectIdentifier("1.2.840.113741.1.13.1")
 _SGX_EXT_PREFIX = bytes.fromhex("2a864886f84d010d01")  # DER body of 1.2.840.113741.1.13.1
-
-
-class TcbStatus(enum.StrEnum):
-    UP_TO_DATE = "UpToDate"
-    SW_HARDENING_NEEDED = "SWHardeningNeeded"
-    CONFIGURATION_NEEDED = "ConfigurationNeeded"
-    CONFIGURATION_AND_SW_HARDENING_NEEDED = "ConfigurationAndSWHardeningNeeded"
-    OUT_OF_DATE = "OutOfDate"
-    OUT_OF_DATE_CONFIGURATION_NEEDED = "OutOfDateConfigurationNeeded"
-    REVOKED = "Revoked"
 
 
 # --------------------------------------------------------------------------------------------
