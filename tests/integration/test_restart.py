@@ -171,6 +171,28 @@ async def test_kill_restart_keeps_traffic_quarantine_and_ca(tmp_path: Path) -> N
 
         await eventually(fe_refused)
 
+        # The ops endpoint exposes the metrics with bounded labels only.
+        metrics, values = "", {}
+
+        async def both_envoys_connected() -> bool:
+            nonlocal metrics, values
+            async with session.get(f"http://127.0.0.1:{s.ops_port}/metrics") as resp:
+                metrics = await resp.text()
+            values = {
+                line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line and not line.startswith("#")
+            }
+            return values.get("attestmesh_xds_streams") == 2  # reconnected after the restart
+
+        await eventually(both_envoys_connected)
+        assert values["attestmesh_quarantined_workloads"] == 1
+        assert values['attestmesh_quarantine_events_total{trigger="operator"}'] == 1
+        assert values['attestmesh_attestations_total{reason="ok",result="admitted",tee="sim"}'] >= 1
+        assert values["attestmesh_issuance_seconds_count"] >= 1
+        assert any(k.startswith("attestmesh_xds_push_ack_seconds_count") for k in values)
+        assert "backend" not in metrics and "frontend" not in metrics  # no per-workload labels
+
         # 4. Kill and restart: the quarantine survived and still cuts traffic.
         cp.kill()
         await cp.start()
