@@ -111,9 +111,12 @@ class Hooks:
     run: Callable[[ControlPlane, asyncio.Event], Coroutine[Any, Any, None]] | None = None
 
 
-def _server_tls(
-    ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
-) -> ssl.SSLContext:
+SERVER_CERT_TTL = timedelta(hours=24)
+
+
+def _load_server_cert(
+    ctx: ssl.SSLContext, ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
+) -> None:
     cert_path, key_path = issue_serving_credentials(
         ca,
         settings.state_dir / "tls",
@@ -122,11 +125,31 @@ def _server_tls(
         dns_names=settings.server_names,
         ips=("127.0.0.1",),
         now=now,
-        ttl=timedelta(hours=24),
+        ttl=SERVER_CERT_TTL,
     )
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert_path, key_path)
+
+
+def _server_tls(
+    ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
+) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    _load_server_cert(ctx, ca, settings, now)
     return ctx
+
+
+async def _rotate_server_cert(
+    ctx: ssl.SSLContext,
+    ca: CertificateAuthority,
+    settings: ControlPlaneSettings,
+    stop: asyncio.Event,
+) -> None:
+    """Re-issue the API's serving certificate at half its lifetime; new handshakes use it."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), (SERVER_CERT_TTL / 2).total_seconds())
+        if not stop.is_set():
+            _load_server_cert(ctx, ca, settings, datetime.now(UTC))
 
 
 def build_collateral_sources(
@@ -357,6 +380,7 @@ async def run_control_plane(
                 ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_deadlines(cp, settings, stop))
+                tg.create_task(_rotate_server_cert(tls, cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
                 if hooks is not None and hooks.run is not None:
                     tg.create_task(hooks.run(cp, stop))
