@@ -195,6 +195,13 @@ def build_control_plane(
     if settings.registrations_file:
         docs = load_yaml_docs(settings.registrations_file)
         registrations = parse_registrations(docs[0] if docs else {})
+        for reg in registrations:
+            if reg.token_sha256 is None:
+                log.warning(
+                    "registration %s has no tokenSha256: anyone who reaches the API can attest "
+                    "(or fail an attestation) in its name",
+                    reg.name,
+                )
     sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
     verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
     now = datetime.now(UTC)

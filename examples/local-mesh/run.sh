@@ -17,6 +17,12 @@ trap cleanup EXIT INT TERM
 
 export BASE_10=$((base + 10)) BASE_11=$((base + 11)) BASE_12=$((base + 12))
 export BASE_20=$((base + 20)) BASE_21=$((base + 21)) BASE_22=$((base + 22))
+for w in frontend backend; do
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/$w.token"
+done
+FRONTEND_TOKEN_SHA256=$(sha256sum <"$work/frontend.token" | cut -d' ' -f1)
+BACKEND_TOKEN_SHA256=$(sha256sum <"$work/backend.token" | cut -d' ' -f1)
+export FRONTEND_TOKEN_SHA256 BACKEND_TOKEN_SHA256
 "$bin/python" - "$here/workloads.yaml" "$work/workloads.yaml" <<'PY'
 import os, sys
 open(sys.argv[2], "w").write(os.path.expandvars(open(sys.argv[1]).read()))
@@ -49,6 +55,7 @@ for w in frontend backend; do
   pids+=($!)
   "$bin/attestmesh" agent --control-plane "https://127.0.0.1:$api" --workload $w \
     --ca-bundle "$work/state/ca/root.pem" --sds-socket "$work/$w.sock" --tee sim \
+    --token-file "$work/$w.token" \
     --sim-platform-key "$work/sim.key" --sim-measurement "$measurement" >"$work/agent-$w.log" 2>&1 &
   pids+=($!)
   "$bin/attestmesh" bootstrap --node $w --xds "127.0.0.1:$xds" --sds-socket "$work/$w.sock" \
