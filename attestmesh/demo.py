@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import secrets
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,8 +70,13 @@ class Expectations:
         return bool(self.results) and all(ok for _, ok in self.results)
 
 
+def join_token(name: str) -> str:
+    """A fresh join token per workload; the control plane keeps only its SHA-256."""
+    return f"{name}-{secrets.token_hex(16)}"
+
+
 def write_config(
-    root: Path, ports: dict[str, dict[str, int]], sim_key: Path
+    root: Path, ports: dict[str, dict[str, int]], sim_key: Path, tokens: Mapping[str, str]
 ) -> ControlPlaneSettings:
     policy = {
         "apiVersion": "attestmesh.dev/v1alpha1",
@@ -104,6 +111,7 @@ def write_config(
                 "inbound": f"127.0.0.1:{ports[n]['inbound']}",
                 "appPort": ports[n]["app"],
                 "outbound": {other: ports[n]["outbound"] for other in NAMES if other != n},
+                "tokenSha256": hashlib.sha256(tokens[n].encode()).hexdigest(),
             }
             for n in NAMES
         ]
@@ -201,7 +209,8 @@ async def _demo(root: Path) -> DemoResult:
         )
     )
     ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
-    settings = write_config(root, ports, sim_pub)
+    tokens = {n: join_token(n) for n in NAMES}
+    settings = write_config(root, ports, sim_pub, tokens)
     timings: dict[str, float] = {}
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
@@ -228,6 +237,7 @@ async def _demo(root: Path) -> DemoResult:
                     source=sources[n],
                     sink=sds,
                     ssl_context=tls,
+                    token=lambda t=tokens[n]: t,  # type: ignore[misc]
                 )
                 boot = build_bootstrap(
                     n, ControlPlaneAddress("127.0.0.1", settings.xds_port), sock, ports[n]["admin"]

@@ -19,7 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.demo import GOOD, NAMES, call, free_port, tiny_app, write_config
+from attestmesh.demo import GOOD, NAMES, call, free_port, join_token, tiny_app, write_config
 from attestmesh.serve import ControlPlaneSettings
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
@@ -87,7 +87,8 @@ async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
         )
     )
     ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
-    settings = write_config(tmp_path, ports, pub)
+    tokens = {n: join_token(n) for n in NAMES}
+    settings = write_config(tmp_path, ports, pub, tokens)
     cp = ControlPlaneProcess(settings, tmp_path / "controlplane.log")
     envoys: list[EnvoyProcess] = []
     servers = []
@@ -107,6 +108,7 @@ async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
                     source=SimEvidenceSource(platform, GOOD),
                     sink=sds,
                     ssl_context=client_ssl_context(bundle),
+                    token=lambda t=tokens[n]: t,  # type: ignore[misc]
                 )
                 boot = build_bootstrap(
                     n, ControlPlaneAddress("127.0.0.1", settings.xds_port), sock, ports[n]["admin"]
