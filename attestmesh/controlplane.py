@@ -179,13 +179,13 @@ class ControlPlane:
         }
 
     # -- transitions --------------------------------------------------------------------------
-    def _apply(self, new: MeshState, events: Sequence[Event], *, trust_changed: bool) -> None:
+    def _apply(self, new: MeshState, events: Sequence[Event]) -> None:
         now = self._clock()
         new = prune_revocations(new, now)
         self._store.save(self._state, new, events)  # durable before announced
         old_revoked = self._state.revoked_serials()
         self._state = new
-        if trust_changed or new.revoked_serials() != old_revoked:
+        if new.revoked_serials() != old_revoked:
             self._trust = self._build_trust(now)
         self._update_gauges()
         self._publisher.publish(new, self._mesh_policies, self._trust)
@@ -211,7 +211,7 @@ class ControlPlane:
         for reg in regs:
             state, ev = register(state, reg, now)
             events += ev
-        self._apply(state, events, trust_changed=False)
+        self._apply(state, events)
 
     def challenge(self) -> tuple[bytes, datetime]:
         nonce = self._random(32)
@@ -242,7 +242,7 @@ class ControlPlane:
             admitted = decide(verified, governing, now)
         except EvidenceRejected as exc:
             self._metrics.attestations.labels(exc.tee, "rejected", exc.reason).inc()
-            if w.status is Status.ATTESTED:
+            if self._state.get(req.workload).status is Status.ATTESTED:  # fresh: awaits above
                 self.quarantine(req.workload, _trigger_for(exc), "; ".join(exc.reasons))
             raise
         ttl = admitted.certificate_ttl
@@ -274,7 +274,7 @@ class ControlPlane:
         for finding in audit_findings(verified.claims, governing, now):
             self._metrics.audit_findings.labels(finding.reason).inc()
             events.append(Event(EventKind.AUDIT, req.workload, now, "; ".join(finding.reasons)))
-        self._apply(state, events, trust_changed=False)
+        self._apply(state, events)
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
@@ -311,7 +311,7 @@ class ControlPlane:
         if not events:
             return False
         self._metrics.quarantine_events.labels(trigger.value).inc()
-        self._apply(state, events, trust_changed=False)
+        self._apply(state, events)
         log.warning("quarantined %s (%s): %s", name, trigger, reason)
         return True
 
@@ -319,13 +319,13 @@ class ControlPlane:
         """The workload is gone (its pod was deleted): its endpoint leaves every cluster."""
         state, events = unregister(self._state, name, self._clock())
         if events:
-            self._apply(state, events, trust_changed=False)
+            self._apply(state, events)
         return bool(events)
 
     def release(self, name: str) -> bool:
         state, events = release(self._state, name, self._clock())
         if events:
-            self._apply(state, events, trust_changed=False)
+            self._apply(state, events)
         return bool(events)
 
     def check_deadlines(self) -> list[str]:
