@@ -165,7 +165,7 @@ def _demo(args: argparse.Namespace) -> int:
     from attestmesh.demo import run_demo
 
     try:
-        return asyncio.run(run_demo(args.workdir))
+        return asyncio.run(run_demo(args.workdir, hold=args.hold))
     except KeyboardInterrupt:
         print("interrupted; every process the demo started was stopped", file=sys.stderr)
         return 130
@@ -284,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="frontend <-> backend over attested mTLS, then a quarantine")
     d.add_argument("--workdir", type=Path, help="keep state and Envoy logs here (default: temp)")
+    d.add_argument("--hold", action="store_true", help="keep the mesh running until Ctrl-C")
     d.set_defaults(func=_demo)
 
     q = sub.add_parser("quarantine", help="list, add or release quarantined workloads")

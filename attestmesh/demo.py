@@ -185,19 +185,20 @@ class DemoResult:
     timings_ms: dict[str, float]
 
 
-async def run_demo(workdir: Path | None = None) -> int:
-    return (await run_demo_measured(workdir)).exit_code
+async def run_demo(workdir: Path | None = None, *, hold: bool = False) -> int:
+    return (await run_demo_measured(workdir, hold=hold)).exit_code
 
 
-async def run_demo_measured(workdir: Path | None = None) -> DemoResult:
+async def run_demo_measured(workdir: Path | None = None, *, hold: bool = False) -> DemoResult:
+    """Run the demo; with ``hold`` keep the mesh running after the checks until cancelled."""
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, at start)
-        return await _demo(workdir)
+        return await _demo(workdir, hold)
     with tempfile.TemporaryDirectory(prefix="attestmesh-demo-") as tmp:
-        return await _demo(Path(tmp))
+        return await _demo(Path(tmp), hold)
 
 
-async def _demo(root: Path) -> DemoResult:
+async def _demo(root: Path, hold: bool) -> DemoResult:
     tl = Timeline()
     expect = Expectations()
     print(f"attestmesh demo (state in {root})", flush=True)
@@ -337,6 +338,14 @@ async def _demo(root: Path) -> DemoResult:
                 print(f"  tampered re-attestation -> decision  {t_decision - t_tamper:9.1f}")
                 print(f"  decision -> frontend->backend refused {t_r1 - t_decision:8.1f}")
                 print(f"  decision -> backend->frontend refused {t_r2 - t_decision:8.1f}")
+            if hold:
+                print(
+                    f"\nholding the mesh (state in {root}; ops http://127.0.0.1:"
+                    f"{settings.ops_port}/v1/admin/workloads, frontend's outbound to backend "
+                    f"http://127.0.0.1:{ports['frontend']['outbound']}/). Ctrl-C stops it.",
+                    flush=True,
+                )
+                await asyncio.Event().wait()
             agent_stop.set()
             await asyncio.gather(*agent_tasks, return_exceptions=True)
         finally:
@@ -346,6 +355,8 @@ async def _demo(root: Path) -> DemoResult:
             for s in sds_servers:
                 s.close()
                 await s.wait_closed()
+            for n in NAMES:
+                (root / f"sds-{n}.sock").unlink(missing_ok=True)
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(cp_task, 10)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,3 +26,37 @@ async def test_demo_holds_every_expectation(
     # the state the demo leaves behind: the CA and the SQLite store persisted in its directory
     assert (tmp_path / "state" / "ca" / "root.pem").exists()
     assert (tmp_path / "state" / "state.sqlite3").exists()
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    """SIGINT while the mesh runs: exit 130, and no Envoy of this demo is left behind."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attestmesh.cli", "demo", "--hold", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "holding the mesh" in line or not line:
+                break
+        assert "holding the mesh" in lines[-1], "".join(lines)
+        envoys = _envoys_of(tmp_path)
+        assert len(envoys) == 2, envoys
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        assert _envoys_of(tmp_path) == []
+        assert not list(tmp_path.glob("sds-*.sock"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def _envoys_of(workdir: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", f"{workdir}/envoy/envoy-"], capture_output=True, text=True)
+    return out.stdout.split()
