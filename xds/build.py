@@ -6,7 +6,9 @@ Per node (``Registration.name``):
   mTLS: the workload certificate from the sidecar's local SDS, peers validated against the
   ``mesh-trust`` secret (bundle + CRL, from ADS) and pinned to the SPIFFE IDs of S's attested
   workloads.
-- EDS ``out|S``: inbound endpoints of attested workloads of S (none for a node not attested).
+- EDS ``out|S``: inbound endpoints of attested, ready workloads of S (none for a node not
+  attested). A workload that is not ready keeps its identity pinned in CDS: only its endpoint
+  leaves, so readiness flapping never changes clusters.
 - LDS: ``inbound`` (mTLS, client certificate required, any identity of the trust domain; HCM with
   RDS ``inbound`` and the RBAC filter) and ``out|S`` on 127.0.0.1 (plaintext from the app).
 - RDS ``inbound``: one route to the app whose per-route RBAC allows exactly the principals
@@ -501,7 +503,11 @@ def build_snapshot(
             TypeUrl.CLUSTER,
             lambda s=service, i=ids: build_outbound_cluster(s, i, td, settings),  # type: ignore[misc]
         )
-        eps = tuple(sorted((p.inbound.address, p.inbound.port) for p in peers)) if attested else ()
+        eps = (
+            tuple(sorted((p.inbound.address, p.inbound.port) for p in peers if p.ready))
+            if attested
+            else ()
+        )
         endpoints[name] = packer.get(
             ("eds", name, eps),
             TypeUrl.ENDPOINT,

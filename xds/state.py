@@ -49,7 +49,9 @@ class Registration:
     """Static facts about a workload: who it is and where its sidecar listens.
 
     ``name`` is unique and is its Envoy node id. ``outbound`` maps the services it calls to the
-    local port of its Envoy's outbound listener for that service.
+    local port of its Envoy's outbound listener for that service. ``ready`` False (in Kubernetes:
+    its EndpointSlice endpoint is not ready, or terminating) keeps it out of its service's
+    endpoints; it stays registered and may still attest.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Registration:
     outbound: Mapping[str, int] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     token_sha256: str | None = None
+    ready: bool = True
 
     def spiffe_id(self, trust_domain: str) -> str:
         return spiffe_id(trust_domain, self.namespace, self.service_account)

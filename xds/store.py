@@ -105,6 +105,7 @@ def workload_to_doc(w: WorkloadState) -> dict[str, Any]:
             "outbound": dict(r.outbound),
             "labels": dict(r.labels),
             "token_sha256": r.token_sha256,
+            "ready": r.ready,
         },
         "status": w.status.value,
         "attestation": None
@@ -142,6 +143,7 @@ def workload_from_doc(doc: dict[str, Any]) -> WorkloadState:
             outbound={k: int(v) for k, v in r["outbound"].items()},
             labels=dict(r["labels"]),
             token_sha256=r["token_sha256"],
+            ready=bool(r.get("ready", True)),  # absent in documents written before readiness
         ),
         status=Status(doc["status"]),
         attestation=None
