@@ -44,6 +44,7 @@ from tests.unit.evidence.conformance_cases import (
     SIGNATURE_CLASS,
     Case,
     Flip,
+    OutOfWindow,
     Subject,
     all_cases,
     sim_keys,
@@ -110,9 +111,10 @@ def _params(attr: str) -> Iterator[Any]:
     """One pytest.param per (case, item of ``case.<attr>``), strict xfail where documented."""
     for case in CASES:
         for item in getattr(case, attr):
-            name = getattr(item, "region", None) or getattr(item, "name", None)
-            if name is None:
-                name = getattr(item, "check", None) or str(getattr(item, "now", item))
+            if isinstance(item, OutOfWindow):
+                name = f"{item.reason}@{item.now:%Y-%m-%dT%H:%M:%SZ}"
+            else:
+                name = str(getattr(item, "region", "") or getattr(item, "name", "") or item.check)
             marks: list[pytest.MarkDecorator] = []
             if isinstance(item, Flip) and item.escapes is not None:
                 marks.append(
