@@ -4,7 +4,12 @@ Wiring only (behaviour lives in ``xds.kube``, ``sidecar.inject`` and the control
 
 - AttestationPolicy CRs -> ``ControlPlane.set_policies`` (the documents in force; an invalid CR
   is refused by the adapter with a status condition and an Event, its previous version stays);
-  MeshPolicy CRs -> ``set_mesh_policies``; injected Pods -> ``register`` / removal.
+  MeshPolicy CRs -> ``set_mesh_policies``; injected Pods -> ``register`` / removal. The Service
+  selecting a pod names its mesh service and its EndpointSlice endpoint's readiness decides
+  whether it receives traffic: a Service or slice change re-registers the pods it affects.
+- Nodes are watched: their labels and taints (``KubeSource.nodes``) spare quarantine a read of
+  a node already tainted; nodes carrying the platform-untrusted taint are logged and counted
+  (``attestmesh_kube_untrusted_nodes``).
 - Agent identity: the projected service-account token is checked with TokenReview; its
   namespace and service account must be the registration's (``TokenReviewIdentity``).
 - Lease leader election: only the leader writes to Kubernetes; every replica serves attestation.
@@ -276,6 +281,7 @@ class KubeMode:
             is_leader=lambda: self.elector.is_leader,
             metrics=self.kube_metrics,
             instance=settings.identity,
+            nodes=lambda name: self.source.nodes.get(name),
         )
         self.source = KubeSource(
             kube,
@@ -289,6 +295,7 @@ class KubeMode:
             is_leader=lambda: self.elector.is_leader,
             metrics=self.kube_metrics,
             watch_timeout=settings.watch_timeout,
+            watch_nodes=True,
             instance=settings.identity,
         )
         self.namespace_watcher = Watcher(

@@ -1,8 +1,13 @@
-"""Kubernetes adapter: CR and Pod watchers, TokenReview, Lease leader election, quarantine actions.
+"""Kubernetes adapter: CR, Pod, Service, EndpointSlice and Node watchers, TokenReview, Lease
+leader election, quarantine actions.
 
 Pure translation (top of the module) is separate from I/O (``KubeClient`` and below). The
 ``kubernetes`` client is synchronous; every call runs in a worker thread and answers raw JSON
 (``_preload_content=False``), so the adapter works on the same dicts the API server sends.
+
+Pods become registrations; the Service selecting a pod names its mesh service, and its
+EndpointSlice endpoints say whether it is ready (``registration_from_pod``). A Service or slice
+change re-derives the registrations of the pods it affects.
 
 Watchers list, then watch from the list's resourceVersion with bookmarks; a 410 Gone relists;
 other failures back off exponentially. Invalid custom resources are refused one by one: each
@@ -24,12 +29,12 @@ import json
 import logging
 import random
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from certs.errors import AttestmeshError, PolicyError
 from certs.policy import AttestationPolicy, parse_policies
@@ -115,8 +120,113 @@ def parse_outbound(text: str) -> dict[str, int]:
     return out
 
 
-def registration_from_pod(pod: Mapping[str, Any]) -> Registration | None:
-    """An injected, running pod with an IP -> its Registration; anything else -> None."""
+@dataclass(frozen=True, slots=True)
+class ServiceSelector:
+    """A Service with a pod selector: it names the mesh service of the pods it selects."""
+
+    namespace: str
+    name: str
+    selector: Mapping[str, str]
+
+    def selects(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        return namespace == self.namespace and all(
+            labels.get(k) == v for k, v in self.selector.items()
+        )
+
+
+def parse_service(obj: Mapping[str, Any]) -> ServiceSelector | None:
+    """A Service -> its selector; a Service without one (ExternalName, hand-written endpoints)
+    selects no pod -> None."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    name = meta.get("name")
+    selector = spec.get("selector")
+    if not isinstance(name, str) or not name or not isinstance(selector, Mapping) or not selector:
+        return None
+    return ServiceSelector(
+        str(meta.get("namespace") or "default"),
+        name,
+        {str(k): str(v) for k, v in selector.items()},
+    )
+
+
+def select_service(
+    namespace: str, labels: Mapping[str, str], services: Iterable[ServiceSelector]
+) -> str | None:
+    """The Service naming a pod's mesh service: of those selecting it, the lowest name (a pod
+    selected by several Services belongs to one mesh service; the choice must not depend on
+    watch order)."""
+    names = [s.name for s in services if s.selects(namespace, labels)]
+    return min(names) if names else None
+
+
+def not_ready_endpoints(endpoint_slice: Mapping[str, Any]) -> frozenset[WorkloadRef]:
+    """The pods an EndpointSlice (discovery.k8s.io/v1) says must not receive traffic: endpoints
+    whose ``conditions.ready`` is false or ``conditions.terminating`` true. An absent ``ready``
+    means ready, as the API defines it. Endpoints that are not pods are ignored."""
+    meta = endpoint_slice.get("metadata") or {}
+    namespace = str(meta.get("namespace") or "default")
+    out: set[WorkloadRef] = set()
+    for ep in endpoint_slice.get("endpoints") or []:
+        if not isinstance(ep, Mapping):
+            continue
+        ref = ep.get("targetRef") or {}
+        conditions = ep.get("conditions") or {}
+        if not isinstance(ref, Mapping) or not isinstance(conditions, Mapping):
+            continue
+        name = ref.get("name")
+        if ref.get("kind") != "Pod" or not isinstance(name, str) or not name:
+            continue
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            out.add(WorkloadRef(str(ref.get("namespace") or namespace), name))
+    return frozenset(out)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the control plane knows of a Node: its labels and taints (key, effect)."""
+
+    name: str
+    labels: Mapping[str, str]
+    taints: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def platform_untrusted(self) -> bool:
+        """Tainted by attestmesh: a workload's platform on this node failed attestation."""
+        return (TAINT_PLATFORM_UNTRUSTED, "NoSchedule") in self.taints
+
+    @property
+    def quarantine_applied(self) -> bool:
+        """The taint and the label a platform failure puts on the node are both in place."""
+        return self.platform_untrusted and self.labels.get(LABEL_PLATFORM_UNTRUSTED) == "true"
+
+
+def parse_node(obj: Mapping[str, Any]) -> NodeInfo | None:
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    taints = tuple(
+        sorted(
+            (str(t.get("key")), str(t.get("effect")))
+            for t in (obj.get("spec") or {}).get("taints") or []
+            if isinstance(t, Mapping)
+        )
+    )
+    labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    return NodeInfo(name, labels, taints)
+
+
+def registration_from_pod(
+    pod: Mapping[str, Any],
+    services: Iterable[ServiceSelector] = (),
+    not_ready: Collection[WorkloadRef] = frozenset(),
+) -> Registration | None:
+    """An injected, running pod with an IP -> its Registration; anything else -> None.
+
+    Its mesh service is, in order: the ``attestmesh.dev/service`` annotation, the Service
+    selecting it (``select_service``), the ``app.kubernetes.io/name`` or ``app`` label, its
+    service account. It is not ready when listed in ``not_ready`` (from EndpointSlices)."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -141,6 +251,7 @@ def registration_from_pod(pod: Mapping[str, Any]) -> Registration | None:
     sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
     service = (
         ann.get(ANNOTATION_SERVICE)
+        or select_service(namespace, labels, services)
         or labels.get("app.kubernetes.io/name")
         or labels.get("app")
         or sa
@@ -154,6 +265,7 @@ def registration_from_pod(pod: Mapping[str, Any]) -> Registration | None:
         app_port=app_port,
         outbound=parse_outbound(str(ann.get(ANNOTATION_OUTBOUND, ""))),
         labels=labels,
+        ready=WorkloadRef(namespace, name) not in not_ready,
     )
 
 
@@ -341,6 +453,11 @@ class KubeMetrics:
             ["kind"],
             registry=registry,
         )
+        self.untrusted_nodes = Gauge(
+            "attestmesh_kube_untrusted_nodes",
+            "Watched nodes carrying the attestmesh platform-untrusted taint",
+            registry=registry,
+        )
 
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -357,6 +474,7 @@ class KubeClient:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.coordination = client.CoordinationV1Api(api_client)
+        self.discovery = client.DiscoveryV1Api(api_client)
         self.auth = client.AuthenticationV1Api(api_client)
         self.request_timeout = request_timeout
 
@@ -733,7 +851,7 @@ class EventRecorder:
             await self.kube.call(self.kube.core.patch_namespaced_event, name, ns, patch)
 
 
-# Source: CRs and Pods -> callbacks --------------------------------------------------------
+# Source: CRs, Pods, Services, EndpointSlices, Nodes -> callbacks --------------------------
 
 
 @dataclass(slots=True)
@@ -742,7 +860,10 @@ class SourceCallbacks:
     on_mesh_policies: Callable[[list[MeshPolicy]], Awaitable[None]]
     on_registration: Callable[[Registration], Awaitable[None]]
     on_removed: Callable[[str], Awaitable[None]]
-    on_node: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+    # Nodes (``watch_nodes``): a node seen or changed, a node gone. ``KubeSource.nodes`` holds
+    # the current map either way.
+    on_node: Callable[[NodeInfo], Awaitable[None]] | None = None
+    on_node_removed: Callable[[str], Awaitable[None]] | None = None
     # When set, called instead of ``on_policies`` with the documents in force (each the
     # accepted version of its CR, server-set metadata dropped), for a consumer that parses
     # policies itself (``ControlPlane.set_policies``).
@@ -761,7 +882,12 @@ class _CrKind:
 
 
 class KubeSource:
-    """Feeds the control plane from the cluster. ``run()`` supervises every watcher."""
+    """Feeds the control plane from the cluster. ``run()`` supervises every watcher.
+
+    ``pods`` holds the registrations announced; ``services`` (namespace -> name -> selector)
+    and ``not_ready`` (from EndpointSlices) are what they were derived with. Pods are first
+    listed once Services and EndpointSlices are, so no registration is announced with a
+    fallback service name only to be corrected a moment later."""
 
     def __init__(
         self,
@@ -786,58 +912,66 @@ class KubeSource:
             "MeshPolicy": _CrKind("MeshPolicy", "meshpolicies", parse_mesh_policy),
         }
         self.pods: dict[str, Registration] = {}
+        self._pod_objects: dict[str, dict[str, Any]] = {}  # of the pods in ``pods``
+        self.services: dict[str, dict[str, ServiceSelector]] = {}
+        self.slices: dict[tuple[str, str], frozenset[WorkloadRef]] = {}
+        self.not_ready: frozenset[WorkloadRef] = frozenset()
+        self.nodes: dict[str, NodeInfo] = {}
         self._lock = asyncio.Lock()
         self.watchers: list[Watcher] = []
+
+        def watcher(spec: _WatchSpec) -> Watcher:
+            w = Watcher(kube, spec, metrics=metrics, watch_timeout=watch_timeout, backoff=backoff)
+            self.watchers.append(w)
+            return w
+
         for k in self.kinds.values():
-            self.watchers.append(
-                Watcher(
-                    kube,
-                    _WatchSpec(
-                        k.plural,
-                        kube.custom.list_cluster_custom_object,
-                        (GROUP, VERSION, k.plural),
-                        self._cr_snapshot(k),
-                        self._cr_event(k),
-                    ),
-                    metrics=metrics,
-                    watch_timeout=watch_timeout,
-                    backoff=backoff,
+            watcher(
+                _WatchSpec(
+                    k.plural,
+                    kube.custom.list_cluster_custom_object,
+                    (GROUP, VERSION, k.plural),
+                    self._cr_snapshot(k),
+                    self._cr_event(k),
                 )
             )
-        self.watchers.append(
-            Watcher(
-                kube,
+        self._inputs = (
+            watcher(
                 _WatchSpec(
-                    "pods",
-                    kube.core.list_pod_for_all_namespaces,
+                    "services",
+                    kube.core.list_service_for_all_namespaces,
                     (),
-                    self._pod_snapshot,
-                    self._pod_event,
-                ),
-                metrics=metrics,
-                watch_timeout=watch_timeout,
-                backoff=backoff,
+                    self._service_snapshot,
+                    self._service_event,
+                )
+            ),
+            watcher(
+                _WatchSpec(
+                    "endpointslices",
+                    kube.discovery.list_endpoint_slice_for_all_namespaces,
+                    (),
+                    self._slice_snapshot,
+                    self._slice_event,
+                )
+            ),
+        )
+        watcher(
+            _WatchSpec(
+                "pods",
+                kube.core.list_pod_for_all_namespaces,
+                (),
+                self._pod_snapshot,
+                self._pod_event,
             )
         )
-        if watch_nodes and callbacks.on_node is not None:
-            on_node = callbacks.on_node
-
-            async def node_snapshot(items: list[dict[str, Any]]) -> None:
-                for item in items:
-                    await on_node(item)
-
-            async def node_event(_: str, obj: dict[str, Any]) -> None:
-                await on_node(obj)
-
-            self.watchers.append(
-                Watcher(
-                    kube,
-                    _WatchSpec("nodes", kube.core.list_node, (), node_snapshot, node_event),
-                    metrics=metrics,
-                    watch_timeout=watch_timeout,
-                    backoff=backoff,
-                )
+        if watch_nodes:
+            watcher(
+                _WatchSpec("nodes", kube.core.list_node, (), self._node_snapshot, self._node_event)
             )
+
+    def watcher(self, resource: str) -> Watcher:
+        """The watcher of one resource (``pods``, ``services``, ``nodes``, ...)."""
+        return next(w for w in self.watchers if w.spec.resource == resource)
 
     async def run(self) -> None:
         try:
@@ -955,33 +1089,151 @@ class KubeSource:
         except KubeError as exc:
             log.warning("cannot update status of %s %s/%s: %s", k.kind, ns, name, exc)
 
-    # pods
+    # pods, and the Services and EndpointSlices their registrations are derived with
+
+    def _derive(self, pod: Mapping[str, Any]) -> Registration | None:
+        ns = str((pod.get("metadata") or {}).get("namespace") or "default")
+        return registration_from_pod(pod, self.services.get(ns, {}).values(), self.not_ready)
+
+    async def _announce(self, name: str, reg: Registration | None) -> None:
+        """Tell the consumer about a pod's registration if it changed. Holds ``_lock``."""
+        if reg is None:
+            self._pod_objects.pop(name, None)
+            if self.pods.pop(name, None) is not None:
+                await self.cb.on_removed(name)
+        elif self.pods.get(name) != reg:
+            self.pods[name] = reg
+            await self.cb.on_registration(reg)
+
+    async def _rederive(self, names: Iterable[str]) -> None:
+        """Re-derive known pods' registrations after a Service or readiness change."""
+        for name in sorted(set(names)):
+            obj = self._pod_objects.get(name)
+            if obj is not None:
+                await self._announce(name, self._derive(obj))
+
+    def _in_namespaces(self, namespaces: Collection[str]) -> list[str]:
+        return [name for name, reg in self.pods.items() if reg.namespace in namespaces]
 
     async def _pod_snapshot(self, items: list[dict[str, Any]]) -> None:
+        for w in self._inputs:  # the first list waits for Services and EndpointSlices
+            await w.synced.wait()
         async with self._lock:
-            seen: dict[str, Registration] = {}
+            seen: dict[str, tuple[Registration, dict[str, Any]]] = {}
             for item in items:
-                reg = registration_from_pod(item)
+                reg = self._derive(item)
                 if reg is not None:
-                    seen[reg.name] = reg
+                    seen[reg.name] = (reg, item)
             for name in sorted(set(self.pods) - set(seen)):
-                await self.cb.on_removed(name)
-            for name, reg in sorted(seen.items()):
-                if self.pods.get(name) != reg:
-                    await self.cb.on_registration(reg)
-            self.pods = seen
+                await self._announce(name, None)
+            for name, (reg, item) in sorted(seen.items()):
+                self._pod_objects[name] = item
+                await self._announce(name, reg)
 
     async def _pod_event(self, etype: str, obj: dict[str, Any]) -> None:
         async with self._lock:
             ns, pod = _key(obj)
             name = workload_name(ns, pod)
-            reg = None if etype == "DELETED" else registration_from_pod(obj)
-            if reg is None:
-                if self.pods.pop(name, None) is not None:
-                    await self.cb.on_removed(name)
-            elif self.pods.get(name) != reg:
-                self.pods[name] = reg
-                await self.cb.on_registration(reg)
+            reg = None if etype == "DELETED" else self._derive(obj)
+            if reg is not None:
+                self._pod_objects[name] = obj
+            await self._announce(name, reg)
+
+    async def _service_snapshot(self, items: list[dict[str, Any]]) -> None:
+        async with self._lock:
+            services: dict[str, dict[str, ServiceSelector]] = {}
+            for item in items:
+                sel = parse_service(item)
+                if sel is not None:
+                    services.setdefault(sel.namespace, {})[sel.name] = sel
+            changed = {
+                ns
+                for ns in set(services) | set(self.services)
+                if services.get(ns) != self.services.get(ns)
+            }
+            self.services = services
+            await self._rederive(self._in_namespaces(changed))
+
+    async def _service_event(self, etype: str, obj: dict[str, Any]) -> None:
+        async with self._lock:
+            ns, name = _key(obj)
+            sel = None if etype == "DELETED" else parse_service(obj)
+            current = self.services.get(ns, {})
+            if current.get(name) == sel:
+                return  # e.g. a status or port change: the selector is what matters
+            updated = {k: v for k, v in current.items() if k != name}
+            if sel is not None:
+                updated[name] = sel
+            if updated:
+                self.services[ns] = updated
+            else:
+                self.services.pop(ns, None)
+            await self._rederive(self._in_namespaces({ns}))
+
+    async def _set_not_ready(self) -> None:
+        old = self.not_ready
+        self.not_ready = frozenset().union(*self.slices.values())
+        await self._rederive(ref.name for ref in old ^ self.not_ready)
+
+    async def _slice_snapshot(self, items: list[dict[str, Any]]) -> None:
+        async with self._lock:
+            self.slices = {_key(item): not_ready_endpoints(item) for item in items}
+            await self._set_not_ready()
+
+    async def _slice_event(self, etype: str, obj: dict[str, Any]) -> None:
+        async with self._lock:
+            if etype == "DELETED":
+                self.slices.pop(_key(obj), None)
+            else:
+                self.slices[_key(obj)] = not_ready_endpoints(obj)
+            await self._set_not_ready()
+
+    # nodes
+
+    async def _node_snapshot(self, items: list[dict[str, Any]]) -> None:
+        seen = {n.name: n for n in map(parse_node, items) if n is not None}
+        for name in sorted(set(self.nodes) - set(seen)):
+            await self._node_gone(name)
+        for _, info in sorted(seen.items()):
+            await self._node_seen(info)
+
+    async def _node_event(self, etype: str, obj: dict[str, Any]) -> None:
+        info = parse_node(obj)
+        if info is None:
+            return
+        if etype == "DELETED":
+            await self._node_gone(info.name)
+        else:
+            await self._node_seen(info)
+
+    async def _node_seen(self, info: NodeInfo) -> None:
+        old = self.nodes.get(info.name)
+        if old == info:
+            return
+        self.nodes[info.name] = info
+        was_untrusted = old is not None and old.platform_untrusted
+        if info.platform_untrusted and not was_untrusted:
+            log.warning(
+                "node %s carries the %s taint: a platform on it failed attestation",
+                info.name,
+                TAINT_PLATFORM_UNTRUSTED,
+            )
+        elif was_untrusted and not info.platform_untrusted:
+            log.info("node %s: the %s taint was removed", info.name, TAINT_PLATFORM_UNTRUSTED)
+        self._count_untrusted()
+        if self.cb.on_node is not None:
+            await self.cb.on_node(info)
+
+    async def _node_gone(self, name: str) -> None:
+        if self.nodes.pop(name, None) is None:
+            return
+        self._count_untrusted()
+        if self.cb.on_node_removed is not None:
+            await self.cb.on_node_removed(name)
+
+    def _count_untrusted(self) -> None:
+        if self.metrics is not None:
+            self.metrics.untrusted_nodes.set(sum(n.platform_untrusted for n in self.nodes.values()))
 
 
 # Quarantine actions -----------------------------------------------------------------------
@@ -1012,9 +1264,11 @@ class KubeActions:
         clock: Clock = lambda: datetime.now(UTC),
         metrics: KubeMetrics | None = None,
         instance: str = "",
+        nodes: Callable[[str], NodeInfo | None] = lambda _: None,
     ) -> None:
         self.kube, self.is_leader, self.clock, self.metrics = kube, is_leader, clock, metrics
         self.events = EventRecorder(kube, clock, instance)
+        self.nodes = nodes  # the watched nodes (KubeSource.nodes), when there is a watch
 
     def _count(self, action: str, result: str) -> None:
         if self.metrics is not None:
@@ -1103,6 +1357,9 @@ class KubeActions:
         return QuarantineOutcome(ActionResult.DONE, evicted, tainted)
 
     async def _taint(self, node: str, message: str) -> None:
+        known = self.nodes(node)
+        if known is not None and known.quarantine_applied:
+            return  # the watch saw taint and label in place: nothing to read or write
         current = await self.kube.call(self.kube.core.read_node, node)
         taints = (current.get("spec") or {}).get("taints") or []
         labels = (current.get("metadata") or {}).get("labels") or {}
@@ -1205,9 +1462,11 @@ __all__ = [
     "KubeSource",
     "LeaderElector",
     "LeaseAction",
+    "NodeInfo",
     "QuarantineOutcome",
     "Reconciled",
     "Refused",
+    "ServiceSelector",
     "SourceCallbacks",
     "TokenReviewError",
     "TokenReviewer",
@@ -1216,9 +1475,13 @@ __all__ = [
     "WorkloadRef",
     "build_condition",
     "decide_lease",
+    "not_ready_endpoints",
+    "parse_node",
     "parse_outbound",
+    "parse_service",
     "platform_failed",
     "reconcile",
     "registration_from_pod",
+    "select_service",
     "workload_name",
 ]
