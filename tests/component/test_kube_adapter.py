@@ -25,10 +25,17 @@ from xds.kube import (
     KubeMetrics,
     KubeSource,
     LeaderElector,
+    NodeInfo,
+    ServiceSelector,
     SourceCallbacks,
     TokenReviewer,
     TokenReviewError,
     WorkloadRef,
+    not_ready_endpoints,
+    parse_node,
+    parse_service,
+    registration_from_pod,
+    select_service,
 )
 from xds.meshpolicy import MeshPolicy
 from xds.state import (
@@ -439,3 +446,279 @@ async def test_release_and_reapply_from_persisted_state(kube: FakeKube) -> None:
     assert pod is not None and LABEL_QUARANTINED not in pod["metadata"]["labels"]
     cond = next(c for c in pod["status"]["conditions"] if c["type"] == CONDITION_ATTESTED)
     assert cond["status"] == "True"
+
+
+# --- Services, EndpointSlices, Nodes ----------------------------------------------------------
+
+
+def service_obj(name: str, selector: dict[str, str] | None, ns: str = "shop") -> dict[str, Any]:
+    spec: dict[str, Any] = {"ports": [{"port": 80, "targetPort": 8080}]}
+    if selector is not None:
+        spec["selector"] = selector
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+            "spec": spec}  # fmt: skip
+
+
+def slice_obj(
+    name: str, service: str, pods: dict[str, dict[str, bool]], ns: str = "shop"
+) -> dict[str, Any]:
+    """An EndpointSlice of ``service``: pod name -> its endpoint's conditions."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": [f"10.1.0.{i + 5}"],
+                "conditions": conditions,
+                "targetRef": {"kind": "Pod", "name": pod, "namespace": ns},
+            }
+            for i, (pod, conditions) in enumerate(sorted(pods.items()))
+        ],
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+    }
+
+
+def node_obj(name: str, *, untrusted: bool = False) -> dict[str, Any]:
+    taints = (
+        [{"key": TAINT_PLATFORM_UNTRUSTED, "value": "true", "effect": "NoSchedule"}]
+        if untrusted
+        else []
+    )
+    labels = {"attestmesh.dev/platform-untrusted": "true"} if untrusted else {}
+    return {"metadata": {"name": name, "labels": labels}, "spec": {"taints": taints}}
+
+
+def test_service_selection_and_registration_precedence_are_pure() -> None:
+    billing = parse_service(service_obj("billing", {"app": "web"}))
+    assert billing == ServiceSelector("shop", "billing", {"app": "web"})
+    assert parse_service(service_obj("external", None)) is None  # no selector: no pods
+    assert parse_service(service_obj("empty", {})) is None
+    alpha = parse_service(service_obj("alpha", {"app": "web", "tier": "front"}))
+    elsewhere = parse_service(service_obj("aaa", {"app": "web"}, ns="other"))
+    services = [s for s in (billing, alpha, elsewhere) if s is not None]
+    assert select_service("shop", {"app": "web"}, services) == "billing"
+    # several select the pod: the lowest name, whatever the order
+    both = {"app": "web", "tier": "front"}
+    assert select_service("shop", both, services) == "alpha"
+    assert select_service("shop", both, services[::-1]) == "alpha"
+    assert select_service("shop", {"app": "db"}, services) is None
+
+    pod = pod_obj("web-0")
+    reg = registration_from_pod(pod, services)
+    assert reg is not None and reg.service == "billing" and reg.ready
+    assert (registration_from_pod(pod) or reg).service == "web"  # no Service: the app label
+    pod["metadata"]["annotations"]["attestmesh.dev/service"] = "checkout"
+    assert (registration_from_pod(pod, services) or reg).service == "checkout"  # annotation wins
+    not_ready = registration_from_pod(pod, services, {WorkloadRef("shop", "web-0")})
+    assert not_ready is not None and not not_ready.ready
+
+
+def test_endpoint_slice_readiness_and_nodes_are_pure() -> None:
+    s = slice_obj(
+        "billing-x",
+        "billing",
+        {
+            "ready": {"ready": True},
+            "unknown": {},  # absent ready: ready, as the API defines it
+            "starting": {"ready": False},
+            "leaving": {"ready": True, "terminating": True},  # e.g. publishNotReadyAddresses
+        },
+    )
+    s["endpoints"].append({"addresses": ["10.9.9.9"], "conditions": {"ready": False}})  # no ref
+    s["endpoints"].append(
+        {"addresses": ["10.9.9.8"], "conditions": {"ready": False},
+         "targetRef": {"kind": "Node", "name": "n1"}}
+    )  # fmt: skip
+    s["endpoints"].append("garbage")
+    assert not_ready_endpoints(s) == {
+        WorkloadRef("shop", "starting"),
+        WorkloadRef("shop", "leaving"),
+    }
+    assert not_ready_endpoints({}) == frozenset()
+
+    info = parse_node(node_obj("n1", untrusted=True))
+    assert info is not None and info.platform_untrusted and info.quarantine_applied
+    plain = parse_node(node_obj("n2"))
+    assert plain is not None and not plain.platform_untrusted
+    assert parse_node({"metadata": {}}) is None
+
+
+async def test_services_name_pods_and_their_changes_reregister(kube: FakeKube) -> None:
+    await kube.put_object("services", service_obj("billing", {"app": "web"}))
+    await kube.put_object("services", service_obj("zeta", {"app": "web"}))
+    await kube.put_object("services", service_obj("aaa", {"app": "web"}, ns="other"))
+    await kube.put_object("pods", pod_obj("web-0"))
+    annotated = pod_obj("web-1", ip="10.1.0.6")
+    annotated["metadata"]["annotations"]["attestmesh.dev/service"] = "checkout"
+    await kube.put_object("pods", annotated)
+    kube.fail("GET", "/api/v1/services", 500)  # the first Service list fails: pods wait
+    rec = Recorder()
+    metrics = KubeMetrics(CollectorRegistry())
+    source = KubeSource(
+        kc(kube), rec.callbacks(), metrics=metrics, watch_timeout=2, backoff=(0.05, 0.1)
+    )
+
+    def service_of(name: str) -> str:
+        return source.pods[name].service
+
+    async with running(source):
+        # announced once, already with the Service's name (pods are listed after Services)
+        assert metrics.watch_restarts.labels(resource="services", reason="error")._value.get() == 1
+        assert [(r.name, r.service) for r in rec.registered] == [
+            ("shop/web-0", "billing"),
+            ("shop/web-1", "checkout"),
+        ]
+        # the lowest-named Service goes: the next one names the pod
+        await kube.delete_object("services", "shop", "billing")
+        await eventually(lambda: service_of("shop/web-0") == "zeta")
+        assert rec.registered[-1].name == "shop/web-0"
+        # a change that is not the selector re-registers nothing
+        count = len(rec.registered)
+        ported = service_obj("zeta", {"app": "web"})
+        ported["spec"]["ports"] = [{"port": 81}]
+        await kube.put_object("services", ported)
+        # the selector no longer matches: back to the app label
+        await kube.put_object("services", service_obj("zeta", {"app": "other"}))
+        await eventually(lambda: service_of("shop/web-0") == "web")
+        assert len(rec.registered) == count + 1
+
+        # a Service created while the watch is gone (410): seen after the relist
+        services = source.watcher("services")
+        lists = services.lists
+        kube.compact(drop_watches=True)
+        await kube.put_object("services", service_obj("billing", {"app": "web"}))
+        await eventually(lambda: service_of("shop/web-0") == "billing")
+        await eventually(lambda: services.lists == lists + 1)
+        # a pod created later is derived with the Services known
+        await kube.put_object("pods", pod_obj("web-2", ip="10.1.0.7"))
+        await eventually(lambda: "shop/web-2" in source.pods)
+        assert service_of("shop/web-2") == "billing"
+    assert service_of("shop/web-1") == "checkout"  # the annotation won throughout
+    assert not rec.removed
+    assert metrics.watch_restarts.labels(resource="services", reason="gone")._value.get() >= 1
+
+
+async def test_endpoint_slices_set_readiness(kube: FakeKube) -> None:
+    await kube.put_object("services", service_obj("billing", {"app": "web"}))
+    await kube.put_object("pods", pod_obj("web-0"))
+    await kube.put_object("pods", pod_obj("web-1", ip="10.1.0.6"))
+    group = "discovery.k8s.io"
+    both_ready = {"web-0": {"ready": True}, "web-1": {"ready": True}}
+    await kube.put_object(
+        "endpointslices",
+        slice_obj("billing-a", "billing", {**both_ready, "web-1": {"ready": False}}),
+        group,
+    )
+    rec = Recorder()
+    source = KubeSource(kc(kube), rec.callbacks(), watch_timeout=2)
+
+    def ready(name: str) -> bool:
+        return source.pods[name].ready
+
+    async with running(source):
+        # known before the pods were listed: announced not ready from the start
+        assert {r.name: r.ready for r in rec.registered} == {
+            "shop/web-0": True,
+            "shop/web-1": False,
+        }
+        await kube.put_object(
+            "endpointslices", slice_obj("billing-a", "billing", both_ready), group
+        )
+        await eventually(lambda: ready("shop/web-1"))
+        # terminating: out of traffic even where the slice still says ready
+        leaving = {**both_ready, "web-0": {"ready": True, "terminating": True}}
+        await kube.put_object("endpointslices", slice_obj("billing-a", "billing", leaving), group)
+        await eventually(lambda: not ready("shop/web-0"))
+        assert ready("shop/web-1")
+        # another Service's slice also counts: not ready in any slice is not ready
+        await kube.put_object(
+            "endpointslices", slice_obj("billing-a", "billing", both_ready), group
+        )
+        await kube.put_object(
+            "endpointslices", slice_obj("web-b", "web", {"web-1": {"ready": False}}), group
+        )
+        await eventually(lambda: ready("shop/web-0") and not ready("shop/web-1"))
+        # the slice goes (e.g. its Service was deleted): ready again
+        slices = source.watcher("endpointslices")
+        lists = slices.lists
+        kube.compact(drop_watches=True)
+        await kube.delete_object("endpointslices", "shop", "web-b", group)
+        await eventually(lambda: ready("shop/web-1"))
+        await eventually(lambda: slices.lists == lists + 1)
+        # the pod's IP changes through the pod watch, readiness kept
+        await kube.put_object(
+            "endpointslices", slice_obj("billing-a", "billing", {"web-0": {"ready": False}}), group
+        )
+        await eventually(lambda: not ready("shop/web-0"))
+        await kube.put_object("pods", pod_obj("web-0", ip="10.1.0.50"))
+        await eventually(lambda: source.pods["shop/web-0"].inbound.address == "10.1.0.50")
+        assert not ready("shop/web-0")
+    assert source.not_ready == {WorkloadRef("shop", "web-0")}
+
+
+async def test_node_watch_lists_watches_and_relists(kube: FakeKube) -> None:
+    await kube.put_object("nodes", node_obj("n1", untrusted=True))
+    await kube.put_object("nodes", node_obj("n2"))
+    seen: list[str] = []
+    removed: list[str] = []
+
+    async def on_node(info: NodeInfo) -> None:
+        seen.append(info.name)
+
+    async def on_node_removed(name: str) -> None:
+        removed.append(name)
+
+    rec = Recorder()
+    cb = rec.callbacks()
+    cb.on_node, cb.on_node_removed = on_node, on_node_removed
+    metrics = KubeMetrics(CollectorRegistry())
+    source = KubeSource(kc(kube), cb, metrics=metrics, watch_timeout=2, watch_nodes=True)
+    untrusted = metrics.untrusted_nodes._value
+    async with running(source):
+        assert sorted(seen) == ["n1", "n2"]
+        assert source.nodes["n1"].platform_untrusted and untrusted.get() == 1
+        await kube.put_object("nodes", node_obj("n2", untrusted=True))
+        await eventually(lambda: untrusted.get() == 2)
+        await kube.put_object("nodes", node_obj("n1"))  # an operator removed the taint
+        await eventually(lambda: untrusted.get() == 1)
+
+        nodes = source.watcher("nodes")
+        lists = nodes.lists
+        kube.compact(drop_watches=True)
+        await kube.delete_object("nodes", "", "n2")
+        await eventually(lambda: removed == ["n2"])
+        await eventually(lambda: nodes.lists == lists + 1)
+        assert untrusted.get() == 0
+        await kube.put_object("nodes", node_obj("n3"))
+        await eventually(lambda: "n3" in source.nodes)
+        await kube.delete_object("nodes", "", "n3")  # a deleted node: gone, nothing else
+        await eventually(lambda: "n3" not in source.nodes)
+    assert set(source.nodes) == {"n1"}
+    assert metrics.watch_restarts.labels(resource="nodes", reason="gone")._value.get() >= 1
+
+
+async def test_quarantine_skips_reading_a_node_the_watch_saw_tainted(kube: FakeKube) -> None:
+    await kube.put_object("nodes", node_obj("n1", untrusted=True))
+    await kube.put_object("pods", pod_obj("web-0"))
+    known = parse_node(node_obj("n1", untrusted=True))
+    actions = KubeActions(kc(kube), clock=lambda: T0, nodes={"n1": known}.get)
+    out = await actions.quarantine(
+        "shop/web-0", "tcb_revoked: x", Trigger.TCB_REVOKED, evict=False, platform_failed=True
+    )
+    assert out.node_tainted == "n1"
+    assert not [r for r in kube.requests if "/nodes/" in r[1]]  # neither read nor written
+    # a node the watch has not seen (or saw untainted) is read and tainted as before
+    await kube.put_object("nodes", node_obj("n2"))
+    await kube.put_object("pods", pod_obj("web-1", node="n2"))
+    out = await actions.quarantine(
+        "shop/web-1", "tcb_revoked: x", Trigger.TCB_REVOKED, evict=False, platform_failed=True
+    )
+    node = kube.get("nodes", "", "n2")
+    assert out.node_tainted == "n2" and node is not None
+    assert [t["key"] for t in node["spec"]["taints"]] == [TAINT_PLATFORM_UNTRUSTED]

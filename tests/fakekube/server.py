@@ -26,6 +26,7 @@ Expired, TooManyRequests, UnsupportedMediaType). Every request is recorded in ``
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import copy
 import json
@@ -303,9 +304,8 @@ class FakeKube:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert server is not None
-        port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        sockets = getattr(site._server, "sockets", None) or []  # aiohttp keeps them here
+        port = int(sockets[0].getsockname()[1])
         self.url = f"http://127.0.0.1:{port}"
         return self.url
 
@@ -501,7 +501,7 @@ class FakeKube:
 
     def _route(
         self, path: str
-    ) -> tuple[ResourceType | None, str | None, str | None, str | None, list[str]]:
+    ) -> tuple[ResourceType | None, str | None, str | None, str | None, builtins.list[str]]:
         parts = [p for p in path.split("/") if p]
         if parts[:2] == ["api", "v1"]:
             group, version, rest = "", "v1", parts[2:]
