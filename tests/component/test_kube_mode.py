@@ -27,7 +27,7 @@ from kubernetes import client
 
 from attestmesh.cli import _check_mode, build_parser
 from attestmesh.cli import main as cli_main
-from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind, build_work
+from attestmesh.kube_mode import KubeMode, KubeSettings, Work, WorkKind, build_work
 from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
 from certs.policy import parse_policies
@@ -35,7 +35,15 @@ from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_conte
 from sidecar.inject import decode_patch
 from tests.fakekube import FakeKube
 from tests.fakekube.server import ResourceType
-from xds.kube import CONDITION_ACCEPTED, CONDITION_ATTESTED, LABEL_QUARANTINED, KubeClient
+from tests.unit.xds.test_xds_build import endpoints
+from xds.build import Snapshot
+from xds.kube import (
+    CONDITION_ACCEPTED,
+    CONDITION_ATTESTED,
+    LABEL_QUARANTINED,
+    TAINT_PLATFORM_UNTRUSTED,
+    KubeClient,
+)
 from xds.state import Endpoint, Event, EventKind, MeshState, Registration, Status, Trigger, register
 
 GOOD = bytes.fromhex("a1" * 48)
@@ -173,14 +181,19 @@ class Plane:
     def url(self) -> str:
         return f"https://127.0.0.1:{self.settings.api_port}"
 
-    def agent(self, token: str = WEB_TOKEN, source: SimEvidenceSource | None = None) -> Agent:
+    def agent(
+        self,
+        token: str = WEB_TOKEN,
+        source: SimEvidenceSource | None = None,
+        workload: str = WORKLOAD,
+    ) -> Agent:
         class Sink:
             def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
                 pass
 
         return Agent(
             url=self.url,
-            workload=WORKLOAD,
+            workload=workload,
             source=source or SimEvidenceSource(PLATFORM, GOOD),
             sink=Sink(),
             ssl_context=client_ssl_context(self.running.bundle_pem),
@@ -472,6 +485,134 @@ async def test_only_the_leader_acts_every_replica_attests(
         obj = pod(kube)
         assert LABEL_QUARANTINED not in obj["metadata"]["labels"]  # a follower writes nothing
         assert events(kube, "Quarantined") == []
+
+
+LEDGER = "shop/ledger-0"
+
+
+def ledger_pod(ip: str = "10.1.0.9") -> dict[str, Any]:
+    """A pod of the billing Service (its labels name no app: without the Service its mesh
+    service falls back to its service account, web)."""
+    obj = pod_obj("ledger-0", ip)
+    obj["metadata"]["labels"] = {"tier": "billing"}
+    return obj
+
+
+def endpoint_slice(ready: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "billing-x7k2p",
+            "namespace": "shop",
+            "labels": {"kubernetes.io/service-name": "billing"},
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": ["10.1.0.9"],
+                "conditions": {"ready": ready, "serving": ready, "terminating": False},
+                "targetRef": {"kind": "Pod", "name": "ledger-0", "namespace": "shop"},
+            }
+        ],
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+    }
+
+
+def snapshot_of(plane: Plane, node: str) -> Snapshot:
+    cache = plane.running.publisher._cache  # what ADS serves this node
+    snap = cache.get(node)
+    assert snap is not None
+    return snap
+
+
+async def test_service_and_endpoint_slices_shape_the_callers_endpoints(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    caller = pod_obj()
+    caller["metadata"]["annotations"]["attestmesh.dev/outbound"] = "billing=15001"
+    await kube.put_object("pods", caller)
+    await kube.put_object("pods", ledger_pod())
+    billing = {
+        "metadata": {"name": "billing", "namespace": "shop"},
+        "spec": {"selector": {"tier": "billing"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    await kube.put_object("services", billing)
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        cp = plane.running.cp
+        assert cp.state.get(LEDGER).registration.service == "billing"
+        async with aiohttp.ClientSession() as session:
+            await plane.agent().attest_once(session)
+            await plane.agent(workload=LEDGER).attest_once(session)
+
+        def billing_endpoints() -> list[tuple[str, int]]:
+            return endpoints(snapshot_of(plane, WORKLOAD), "out|billing")
+
+        assert billing_endpoints() == [("10.1.0.9", 15006)]
+
+        # its EndpointSlice says not ready: out of the caller's EDS; ready again: back
+        group = "discovery.k8s.io"
+        await kube.put_object("endpointslices", endpoint_slice(False), group)
+        await eventually(lambda: billing_endpoints() == [])
+        assert cp.status_of(LEDGER) is Status.ATTESTED  # still attested, only not routed to
+        await kube.put_object("endpointslices", endpoint_slice(True), group)
+        await eventually(lambda: billing_endpoints() == [("10.1.0.9", 15006)])
+
+        # its IP changes through the pod watch
+        await kube.put_object("pods", ledger_pod("10.1.0.19"))
+        await eventually(lambda: billing_endpoints() == [("10.1.0.19", 15006)])
+
+        # the Service goes: the pod falls back to its own mesh service name
+        await kube.delete_object("services", "shop", "billing")
+        await eventually(lambda: cp.state.get(LEDGER).registration.service == "web")
+        assert billing_endpoints() == []
+
+    # a restart keeps readiness from the cluster, not from the persisted state
+    await kube.put_object("services", billing)
+    await kube.put_object("endpointslices", endpoint_slice(False), "discovery.k8s.io")
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        reg = plane.running.cp.state.get(LEDGER).registration
+        assert (reg.service, reg.ready) == ("billing", False)
+        assert endpoints(snapshot_of(plane, WORKLOAD), "out|billing") == []
+
+
+async def test_nodes_are_watched_and_untrusted_ones_counted(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    tainted = {"key": TAINT_PLATFORM_UNTRUSTED, "value": "true", "effect": "NoSchedule"}
+    await kube.put_object("nodes", {"metadata": {"name": "n2"}, "spec": {"taints": [tainted]}})
+    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
+        source, cp = plane.mode.source, plane.running.cp
+        gauge = plane.mode.kube_metrics.untrusted_nodes._value
+        assert set(source.nodes) == {"n1", "n2"} and gauge.get() == 1
+        probe = f"http://127.0.0.1:{plane.mode.settings.probe_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(probe) as resp:
+            assert "attestmesh_kube_untrusted_nodes 1.0" in await resp.text()
+
+        # a platform failure taints the pod's node; the watch sees it
+        assert cp.quarantine(WORKLOAD, Trigger.TCB_REVOKED, "tcb_revoked: SNP TCB revoked")
+        await plane.mode.drained()
+        await eventually(lambda: source.nodes["n1"].platform_untrusted)
+        assert gauge.get() == 2
+        # re-applying reads no node the watch already knows as tainted
+        node_reads = len([r for r in kube.requests if r[1].startswith("/api/v1/nodes/n1")])
+        plane.mode.submit(Work(WorkKind.REAPPLY))
+        await plane.mode.drained()
+        assert plane.mode.completed[-1].kind is WorkKind.REAPPLY
+        assert len([r for r in kube.requests if r[1].startswith("/api/v1/nodes/n1")]) == node_reads
+
+        # nodes deleted: forgotten, nothing else changes
+        await kube.delete_object("nodes", "", "n2")
+        await kube.delete_object("nodes", "", "n1")
+        await eventually(lambda: source.nodes == {})
+        assert gauge.get() == 0
+        assert cp.status_of(WORKLOAD) is Status.QUARANTINED
+        assert plane.running.cp.release(WORKLOAD)
+        async with aiohttp.ClientSession() as session:
+            await plane.agent().attest_once(session)
+        assert cp.status_of(WORKLOAD) is Status.ATTESTED
 
 
 def test_build_work_is_pure_and_only_for_pods() -> None:
