@@ -114,6 +114,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         ops_port=args.ops_port,
         sim_platform_keys=tuple(args.sim_platform_key or ()),
         roots_dir=args.roots,
+        xds_plaintext=args.xds_plaintext,
         amd_kds_url=args.amd_kds_url,
         intel_pcs_url=args.intel_pcs_url,
         intel_root_ca_crl_url=args.intel_root_ca_crl_url,
@@ -144,14 +145,27 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap, render_bootstrap
+    from attestmesh.serve import control_plane_spiffe_id
+    from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap, render_bootstrap
 
     host, _, port = args.xds.rpartition(":")
     if not host or not port.isdigit():
         raise AttestmeshError("usage", f"--xds must be host:port, got {args.xds!r}")
+    if args.xds_ca is None and not args.xds_plaintext:
+        raise AttestmeshError(
+            "usage", "--xds-ca FILE (the mesh root bundle) is required unless --xds-plaintext"
+        )
+    tls = None
+    if args.xds_ca is not None:
+        server_id = args.xds_server_id or control_plane_spiffe_id(args.trust_domain)
+        tls = XdsTls(args.xds_ca, server_id)
     text = render_bootstrap(
         build_bootstrap(
-            args.node, ControlPlaneAddress(host, int(port)), args.sds_socket, args.admin_port
+            args.node,
+            ControlPlaneAddress(host, int(port)),
+            args.sds_socket,
+            args.admin_port,
+            xds_tls=tls,
         )
     )
     if args.output:
@@ -234,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--xds-port", type=int, default=18000)
     cp.add_argument("--ops-port", type=int, default=9090)
     cp.add_argument("--roots", type=Path, help="directory overriding the bundled vendor roots")
+    cp.add_argument(
+        "--xds-plaintext",
+        action="store_true",
+        help="serve xDS without TLS (loopback experiments only; default: mutual TLS)",
+    )
     cp.add_argument("--amd-kds-url", help="AMD KDS base URL (fetch VCEKs and chains, cached)")
     cp.add_argument("--intel-pcs-url", help="Intel PCS base URL (TCB info, QE identity, CRLs)")
     cp.add_argument("--intel-root-ca-crl-url", help="where the Intel SGX Root CA CRL is served")
@@ -279,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--xds", required=True, help="control plane ADS address host:port")
     b.add_argument("--sds-socket", type=Path, required=True, help="the agent's SDS Unix socket")
     b.add_argument("--admin-port", type=int, default=15000)
+    b.add_argument("--xds-ca", type=Path, help="mesh root bundle (PEM) to verify the control plane")
+    b.add_argument(
+        "--xds-server-id", help="the control plane's SPIFFE ID (default from the domain)"
+    )
+    b.add_argument("--trust-domain", default="attestmesh.local")
+    b.add_argument(
+        "--xds-plaintext", action="store_true", help="no TLS to the control plane (loopback only)"
+    )
     b.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     b.set_defaults(func=_bootstrap)
 

@@ -26,9 +26,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
+from attestmesh.serve import (
+    ControlPlaneSettings,
+    Running,
+    control_plane_spiffe_id,
+    run_control_plane,
+)
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
-from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
+from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap
 from sidecar.envoy_proc import EnvoyProcess
 from sidecar.sds import LocalSds, start_sds
 from xds.state import Status
@@ -241,7 +246,14 @@ async def _demo(root: Path, hold: bool) -> DemoResult:
                     token=lambda t=tokens[n]: t,  # type: ignore[misc]
                 )
                 boot = build_bootstrap(
-                    n, ControlPlaneAddress("127.0.0.1", settings.xds_port), sock, ports[n]["admin"]
+                    n,
+                    ControlPlaneAddress("127.0.0.1", settings.xds_port),
+                    sock,
+                    ports[n]["admin"],
+                    xds_tls=XdsTls(
+                        settings.state_dir / "ca" / "root.pem",
+                        control_plane_spiffe_id(settings.trust_domain),
+                    ),
                 )
                 envoys.append(EnvoyProcess(n, boot, root / "envoy", ports[n]["admin"]))
             async with aiohttp.ClientSession() as session:

@@ -57,6 +57,7 @@ class ControlPlaneSettings:
     host: str = "127.0.0.1"
     api_port: int = 8443
     xds_port: int = 18000
+    xds_plaintext: bool = False  # only for loopback experiments: xDS is mutual TLS by default
     ops_port: int = 9090
     mesh_policy_file: Path | None = None
     registrations_file: Path | None = None
@@ -114,42 +115,69 @@ class Hooks:
 SERVER_CERT_TTL = timedelta(hours=24)
 
 
+def control_plane_spiffe_id(trust_domain: str) -> str:
+    return f"spiffe://{trust_domain}/ns/attestmesh-system/sa/controlplane"
+
+
 def _load_server_cert(
-    ctx: ssl.SSLContext, ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
+    contexts: Sequence[ssl.SSLContext],
+    ca: CertificateAuthority,
+    settings: ControlPlaneSettings,
+    now: datetime,
 ) -> None:
+    """Issue the control plane's serving certificate (attestation API and xDS) from the mesh CA
+    and load it into every context; new handshakes use it."""
     cert_path, key_path = issue_serving_credentials(
         ca,
         settings.state_dir / "tls",
         "server",
-        spiffe_id=f"spiffe://{settings.trust_domain}/ns/attestmesh-system/sa/controlplane",
+        spiffe_id=control_plane_spiffe_id(settings.trust_domain),
         dns_names=settings.server_names,
         ips=("127.0.0.1",),
         now=now,
         ttl=SERVER_CERT_TTL,
     )
-    ctx.load_cert_chain(cert_path, key_path)
+    for ctx in contexts:
+        ctx.load_cert_chain(cert_path, key_path)
 
 
-def _server_tls(
-    ca: CertificateAuthority, settings: ControlPlaneSettings, now: datetime
-) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    _load_server_cert(ctx, ca, settings, now)
+def _api_tls() -> ssl.SSLContext:
+    """The attestation API: server-authenticated TLS (agents prove themselves with evidence
+    and their identity token, not with a certificate they do not have yet)."""
+    return ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+
+
+def _xds_tls(ca: CertificateAuthority) -> ssl.SSLContext:
+    """xDS: mutual TLS. Envoys present their mesh certificate; the node they ask for must be
+    the one their certificate names (see ``authorize_node``)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca.bundle_pem.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.set_alpn_protocols(["h2"])
     return ctx
 
 
+def authorize_node(cp: ControlPlane) -> Callable[[str, tuple[str, ...]], bool]:
+    """An Envoy may fetch only its own workload's configuration."""
+
+    def authorize(node: str, uris: tuple[str, ...]) -> bool:
+        w = cp.state.workloads.get(node)
+        return w is not None and w.registration.spiffe_id(cp.state.trust_domain) in uris
+
+    return authorize
+
+
 async def _rotate_server_cert(
-    ctx: ssl.SSLContext,
+    contexts: Sequence[ssl.SSLContext],
     ca: CertificateAuthority,
     settings: ControlPlaneSettings,
     stop: asyncio.Event,
 ) -> None:
-    """Re-issue the API's serving certificate at half its lifetime; new handshakes use it."""
+    """Re-issue the serving certificate at half its lifetime; new handshakes use it."""
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), (SERVER_CERT_TTL / 2).total_seconds())
         if not stop.is_set():
-            _load_server_cert(ctx, ca, settings, datetime.now(UTC))
+            _load_server_cert(contexts, ca, settings, datetime.now(UTC))
 
 
 def build_collateral_sources(
@@ -365,16 +393,20 @@ async def run_control_plane(
         cp, publisher, store = build_control_plane(
             settings, metrics, cache, build_collateral_sources(settings, session), hooks
         )
-        tls = _server_tls(cp.ca, settings, datetime.now(UTC))
+        tls = _api_tls()
+        xds_tls = None if settings.xds_plaintext else _xds_tls(cp.ca)
+        contexts = [tls] if xds_tls is None else [tls, xds_tls]
+        _load_server_cert(contexts, cp.ca, settings, datetime.now(UTC))
         api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
         ops_runner = web.AppRunner(build_ops_app(cp, metrics), access_log=None)
-        grpc = Server([AdsServer(cache, metrics)])
+        authorize = None if xds_tls is None else authorize_node(cp)
+        grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
         try:
             await api_runner.setup()
             await ops_runner.setup()
             await web.TCPSite(api_runner, settings.host, settings.api_port, ssl_context=tls).start()
             await web.TCPSite(ops_runner, "127.0.0.1", settings.ops_port).start()
-            await grpc.start(settings.host, settings.xds_port)
+            await grpc.start(settings.host, settings.xds_port, ssl=xds_tls)
             log.info(
                 "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
                 settings.host,
@@ -387,7 +419,7 @@ async def run_control_plane(
                 ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_deadlines(cp, settings, stop))
-                tg.create_task(_rotate_server_cert(tls, cp.ca, settings, stop))
+                tg.create_task(_rotate_server_cert(contexts, cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
                 if hooks is not None and hooks.run is not None:
                     tg.create_task(hooks.run(cp, stop))

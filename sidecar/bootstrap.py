@@ -11,13 +11,56 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xds.resources import SDS_CLUSTER, XDS_CLUSTER
+from xds.resources import SDS_CLUSTER, WORKLOAD_CERT, XDS_CLUSTER
 
 
 @dataclass(frozen=True, slots=True)
 class ControlPlaneAddress:
     host: str
     port: int
+
+
+@dataclass(frozen=True, slots=True)
+class XdsTls:
+    """mTLS to the control plane: Envoy presents the workload certificate (from the local SDS)
+    and accepts only a server with ``server_spiffe_id`` under the mesh root in ``ca_bundle``.
+    Whoever could feed an Envoy configuration could make it trust anything: never plaintext
+    beyond loopback."""
+
+    ca_bundle: Path
+    server_spiffe_id: str
+
+
+def _xds_transport_socket(tls: XdsTls) -> dict[str, Any]:
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+            "UpstreamTlsContext",
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],
+                "tls_certificate_sds_secret_configs": [
+                    {
+                        "name": WORKLOAD_CERT,
+                        "sds_config": {
+                            "resource_api_version": "V3",
+                            "api_config_source": {
+                                "api_type": "GRPC",
+                                "transport_api_version": "V3",
+                                "grpc_services": [{"envoy_grpc": {"cluster_name": SDS_CLUSTER}}],
+                            },
+                        },
+                    }
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": str(tls.ca_bundle)},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "URI", "matcher": {"exact": tls.server_spiffe_id}}
+                    ],
+                },
+            },
+        },
+    }
 
 
 def _http2_options() -> dict[str, Any]:
@@ -53,6 +96,7 @@ def build_bootstrap(
     cluster: str = "attestmesh",
     initial_fetch_timeout_s: float = 15.0,
     connect_timeout_s: float = 1.0,
+    xds_tls: XdsTls | None = None,
 ) -> dict[str, Any]:
     """Bootstrap of the Envoy whose node id is ``node`` (= its Registration name)."""
     ads = {
@@ -60,6 +104,12 @@ def build_bootstrap(
         "resource_api_version": "V3",
         "initial_fetch_timeout": f"{initial_fetch_timeout_s}s",
     }
+    xds_cluster = _static_cluster(
+        XDS_CLUSTER, {"socket_address": {"address": xds.host, "port_value": xds.port}},
+        connect_timeout_s,
+    )  # fmt: skip
+    if xds_tls is not None:
+        xds_cluster["transport_socket"] = _xds_transport_socket(xds_tls)
     return {
         "node": {"id": node, "cluster": cluster},
         "admin": {
@@ -67,11 +117,7 @@ def build_bootstrap(
         },
         "static_resources": {
             "clusters": [
-                _static_cluster(
-                    XDS_CLUSTER,
-                    {"socket_address": {"address": xds.host, "port_value": xds.port}},
-                    connect_timeout_s,
-                ),
+                xds_cluster,
                 _static_cluster(
                     SDS_CLUSTER, {"pipe": {"path": str(sds_socket)}}, connect_timeout_s
                 ),
@@ -94,4 +140,4 @@ def render_bootstrap(bootstrap: dict[str, Any]) -> str:
     return json.dumps(bootstrap, indent=2, sort_keys=True)
 
 
-__all__ = ["ControlPlaneAddress", "build_bootstrap", "render_bootstrap"]
+__all__ = ["ControlPlaneAddress", "XdsTls", "build_bootstrap", "render_bootstrap"]

@@ -22,9 +22,10 @@ import asyncio
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import grpclib.const
 import grpclib.server
@@ -157,10 +158,12 @@ class AdsServer:
         cache: SnapshotCache,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        authorize: Authorize | None = None,
     ) -> None:
         self._cache = cache
         self._metrics = metrics or Metrics()
         self._clock = clock
+        self._authorize = authorize
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -175,7 +178,33 @@ class AdsServer:
     async def stream_aggregated_resources(
         self, stream: grpclib.server.Stream[DiscoveryRequest, pb.Encoded]
     ) -> None:
-        await serve_sotw_stream(stream, self._cache, self._metrics, self._clock, _node_id)
+        authorize = self._authorize
+        if authorize is None:
+            node_key = _node_id
+        else:
+            uris = peer_uri_sans(stream.peer.cert())
+
+            def node_key(first: DiscoveryRequest) -> str:
+                node = _node_id(first)
+                if not authorize(node, uris):
+                    raise GRPCError(
+                        grpclib.const.Status.PERMISSION_DENIED,
+                        f"the client certificate does not identify node {node!r}",
+                    )
+                return node
+
+        await serve_sotw_stream(stream, self._cache, self._metrics, self._clock, node_key)
+
+
+Authorize = Callable[[str, tuple[str, ...]], bool]
+"""May the client whose certificate carries these URI SANs fetch node ``node``'s config?"""
+
+
+def peer_uri_sans(cert: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """URI SANs of a peer certificate as ``ssl.SSLSocket.getpeercert()`` reports them."""
+    if not cert:
+        return ()
+    return tuple(v for k, v in cert.get("subjectAltName", ()) if k == "URI")
 
 
 def _node_id(first: DiscoveryRequest) -> str:

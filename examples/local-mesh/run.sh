@@ -59,7 +59,7 @@ for w in frontend backend; do
     --sim-platform-key "$work/sim.key" --sim-measurement "$measurement" >"$work/agent-$w.log" 2>&1 &
   pids+=($!)
   "$bin/attestmesh" bootstrap --node $w --xds "127.0.0.1:$xds" --sds-socket "$work/$w.sock" \
-    --admin-port $admin -o "$work/envoy-$w.json"
+    --admin-port $admin --xds-ca "$work/state/ca/root.pem" -o "$work/envoy-$w.json"
   "$envoy" -c "$work/envoy-$w.json" --disable-hot-restart --log-level warning \
     >"$work/envoy-$w.log" 2>&1 &
   pids+=($!)

@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 from cryptography import x509
 
-from attestmesh.serve import ControlPlaneSettings, _load_server_cert, _server_tls
+from attestmesh.serve import ControlPlaneSettings, _api_tls, _load_server_cert
 from certs.ca import CertificateAuthority
 
 
@@ -30,7 +30,8 @@ async def test_server_certificate_rotates_for_new_handshakes(tmp_path: Path) -> 
     now = datetime.now(UTC)
     ca = CertificateAuthority.load_or_create(tmp_path / "ca", "mesh.example", now)
     settings = ControlPlaneSettings(state_dir=tmp_path, trust_domain="mesh.example")
-    ctx = _server_tls(ca, settings, now)
+    ctx = _api_tls()
+    _load_server_cert([ctx], ca, settings, now)
     assert (tmp_path / "tls" / "server.key").stat().st_mode & 0o777 == 0o600
     runner = web.AppRunner(web.Application())
     await runner.setup()
@@ -39,7 +40,7 @@ async def test_server_certificate_rotates_for_new_handshakes(tmp_path: Path) -> 
     try:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         first = await served_serial(port, ca.bundle_pem)
-        _load_server_cert(ctx, ca, settings, datetime.now(UTC))
+        _load_server_cert([ctx], ca, settings, datetime.now(UTC))
         second = await served_serial(port, ca.bundle_pem)
         assert first != second
     finally:

@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.demo import GOOD, NAMES, call, free_port, join_token, tiny_app, write_config
-from attestmesh.serve import ControlPlaneSettings
+from attestmesh.serve import ControlPlaneSettings, control_plane_spiffe_id
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
-from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
+from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap
 from sidecar.envoy_proc import EnvoyProcess
 from sidecar.sds import LocalSds, start_sds
 
@@ -111,7 +111,14 @@ async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
                     token=lambda t=tokens[n]: t,  # type: ignore[misc]
                 )
                 boot = build_bootstrap(
-                    n, ControlPlaneAddress("127.0.0.1", settings.xds_port), sock, ports[n]["admin"]
+                    n,
+                    ControlPlaneAddress("127.0.0.1", settings.xds_port),
+                    sock,
+                    ports[n]["admin"],
+                    xds_tls=XdsTls(
+                        settings.state_dir / "ca" / "root.pem",
+                        control_plane_spiffe_id(settings.trust_domain),
+                    ),
                 )
                 envoys.append(EnvoyProcess(n, boot, tmp_path / "envoy", ports[n]["admin"]))
             async with aiohttp.ClientSession() as session:

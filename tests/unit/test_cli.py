@@ -9,6 +9,7 @@ import pytest
 
 from attestmesh.cli import build_parser, main
 
+CONTROL_PLANE_ID = "spiffe://attestmesh.local/ns/attestmesh-system/sa/controlplane"
 COMMANDS = ["controlplane", "agent", "bootstrap", "demo", "quarantine", "verify", "lint"]
 
 
@@ -28,17 +29,45 @@ def test_missing_required_argument_is_a_usage_error(capsys: pytest.CaptureFixtur
     assert "--xds" in capsys.readouterr().err
 
 
-def test_bootstrap_renders_json(tmp_path: Path) -> None:
+def test_bootstrap_renders_json_with_mutual_tls_to_the_control_plane(tmp_path: Path) -> None:
     out = tmp_path / "envoy.json"
     code = main(["bootstrap", "--node", "web", "--xds", "127.0.0.1:18000",
-                 "--sds-socket", str(tmp_path / "s.sock"), "-o", str(out)])  # fmt: skip
+                 "--sds-socket", str(tmp_path / "s.sock"), "--xds-ca", "/etc/mesh/root.pem",
+                 "-o", str(out)])  # fmt: skip
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["node"]["id"] == "web"
+    (xds,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "xds"]
+    tls = xds["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["validation_context"]["trusted_ca"] == {"filename": "/etc/mesh/root.pem"}
+    assert tls["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "URI", "matcher": {"exact": CONTROL_PLANE_ID}}
+    ]
+    assert tls["tls_certificate_sds_secret_configs"][0]["name"] == "workload-cert"
+    assert tls["alpn_protocols"] == ["h2"]
+
+
+def test_bootstrap_refuses_plaintext_unless_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bootstrap", "--node", "web", "--xds", "127.0.0.1:18000", "--sds-socket", "s"]
+    assert main(args) == 2
+    assert "--xds-ca" in capsys.readouterr().err
+    out = tmp_path / "plain.json"
+    assert main([*args, "--xds-plaintext", "-o", str(out)]) == 0
+    (xds,) = [
+        c for c in json.loads(out.read_text())["static_resources"]["clusters"] if c["name"] == "xds"
+    ]
+    assert "transport_socket" not in xds
 
 
 def test_bootstrap_bad_address(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert main(["bootstrap", "--node", "w", "--xds", "nohost", "--sds-socket", "s"]) == 2
+    assert (
+        main(
+            ["bootstrap", "--node", "w", "--xds", "nohost", "--sds-socket", "s", "--xds-plaintext"]
+        )
+        == 2
+    )
     assert "--xds must be host:port" in capsys.readouterr().err
 
 
