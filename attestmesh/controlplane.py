@@ -213,9 +213,9 @@ class ControlPlane:
             events += ev
         self._apply(state, events)
 
-    def challenge(self) -> tuple[bytes, datetime]:
+    def challenge(self, client: str = "") -> tuple[bytes, datetime]:
         nonce = self._random(32)
-        return nonce, self._nonces.issue(nonce, self._clock())
+        return nonce, self._nonces.issue(nonce, self._clock(), client)
 
     async def attest(self, req: AttestRequest, token: str | None) -> Issued:
         """Verify, appraise and issue. A failed re-attestation of an attested workload

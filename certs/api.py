@@ -25,7 +25,7 @@ MAX_COLLATERAL_ITEMS = 16
 class Issuing(Protocol):
     """What the API needs from the control plane."""
 
-    def challenge(self) -> tuple[bytes, Any]: ...
+    def challenge(self, client: str = ...) -> tuple[bytes, Any]: ...
 
     async def attest(self, req: AttestRequest, token: str | None) -> Any: ...
 
@@ -122,7 +122,7 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
             raise RequestError("request_malformed", "body is not JSON") from None
 
     async def challenge(request: web.Request) -> web.Response:
-        nonce, expires = cp.challenge()
+        nonce, expires = cp.challenge(request.remote or "")
         return web.json_response(
             {"nonce": base64.b64encode(nonce).decode(), "expires_at": expires.isoformat()}
         )
