@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
@@ -55,6 +55,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import TcbStatus
+from certs.evidence.x509chain import ParsedCertificate, parse_certificates
 
 # --------------------------------------------------------------------------------------------
 # Wire constants
@@ -995,15 +996,24 @@ def attestation_public_key(raw: bytes) -> ec.EllipticCurvePublicKey:
         ) from exc
 
 
-def load_certificates(pem_or_der: bytes, what: str) -> list[x509.Certificate]:
+_MAX_CERTS = 16
+
+
+def parse_certificate_chain(pem_or_der: bytes, what: str) -> tuple[ParsedCertificate, ...]:
+    """Certificates (PEM bundle or one DER), each parsed strictly; any undecodable part of any
+    of them (``cryptography`` error or warning) is ``chain_invalid``."""
     try:
         if b"-----BEGIN" in pem_or_der:
-            return x509.load_pem_x509_certificates(pem_or_der.rstrip(b"\x00"))
-        return [x509.load_der_x509_certificate(pem_or_der)]
-    except ValueError as exc:
+            return parse_certificates(pem_or_der.rstrip(b"\x00"), max_count=_MAX_CERTS)
+        return parse_certificates(pem_or_der)
+    except EvidenceFormatError as exc:
         raise EvidenceVerificationError(
-            "chain_invalid", f"{what}: unreadable certificates"
-        ) from exc
+            "chain_invalid", f"{what}: unreadable certificate: {exc.detail}"
+        ) from None
+
+
+def load_certificates(pem_or_der: bytes, what: str) -> list[x509.Certificate]:
+    return [c.cert for c in parse_certificate_chain(pem_or_der, what)]
 
 
 def load_crl(data: bytes, what: str) -> x509.CertificateRevocationList:
@@ -1024,10 +1034,6 @@ class Window:
 
     def contains(self, now: datetime) -> bool:
         return self.not_before <= now <= self.not_after
-
-
-def _cert_window(cert: x509.Certificate) -> Window:
-    return Window(cert.not_valid_before_utc, cert.not_valid_after_utc)
 
 
 def _check_time(window: Window, now: datetime, kind: str, what: str) -> None:
@@ -1124,12 +1130,13 @@ class DcapVerifier:
         require_qe_identity_and_crls: bool = True,
         cache_size: int = 256,
     ) -> None:
-        roots = load_certificates(root, "root")
+        roots = parse_certificate_chain(root, "root")
         if len(roots) != 1:
             raise ValueError("root must be exactly one certificate")
-        self._root = roots[0]
-        self._root_der = self._root.public_bytes(_DER)
-        self._root_key = self._root.public_key()
+        self._root_parsed = roots[0]
+        self._root = roots[0].cert
+        self._root_der = roots[0].der
+        self._root_key = roots[0].public_key
         self._require_all = require_qe_identity_and_crls
         self._chains = _Lru(cache_size)
         self._docs = _Lru(cache_size)
@@ -1146,36 +1153,38 @@ class DcapVerifier:
         return self._chains.get_or((pem, pck), lambda: self._verify_chain_uncached(pem, what, pck))
 
     def _verify_chain_uncached(self, pem: bytes, what: str, pck: bool) -> VerifiedChain:
-        certs = load_certificates(pem, what)
-        chain = [c for c in certs if c.public_bytes(_DER) != self._root_der]
+        certs = parse_certificate_chain(pem, what)
+        chain = [c for c in certs if c.der != self._root_der]
         if not chain:
             raise EvidenceVerificationError("chain_invalid", f"{what}: no leaf certificate")
         for cert in chain:
-            if cert.issuer == cert.subject and _self_signed(cert):
+            if cert.issuer == cert.subject and _self_signed(cert.cert):
                 raise EvidenceVerificationError("untrusted_root", f"{what}: foreign root")
         for child, parent in itertools.pairwise(chain):
             _check_issued(child, parent, what)
         top = chain[-1]
         try:
-            top.verify_directly_issued_by(self._root)
-        except (ValueError, InvalidSignature, TypeError) as exc:
+            top.cert.verify_directly_issued_by(self._root)
+        except _VERIFY_ERRORS as exc:
             raise EvidenceVerificationError(
                 "untrusted_root", f"{what}: does not chain to the configured root"
             ) from exc
-        key = chain[0].public_key()
+        key = chain[0].public_key
         if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(
             key.curve, ec.SECP256R1
         ):
             raise EvidenceVerificationError("chain_invalid", f"{what}: leaf key is not P-256")
-        windows = tuple((c.subject.rfc4514_string(), _cert_window(c)) for c in [*chain, self._root])
-        issuer = chain[1] if len(chain) > 1 else self._root
+        windows = tuple(
+            (c.subject_text, Window(c.not_before, c.not_after)) for c in [*chain, self._root_parsed]
+        )
+        issuer = chain[1].cert if len(chain) > 1 else self._root
         return VerifiedChain(
-            leaf=chain[0],
+            leaf=chain[0].cert,
             leaf_key=key,
             issuer=issuer,
-            certs=tuple(chain),
+            certs=tuple(c.cert for c in chain),
             windows=windows,
-            pck=parse_pck_extension(chain[0]) if pck else None,
+            pck=parse_pck_extension(chain[0].cert) if pck else None,
         )
 
     def _check_chain_time(self, chain: VerifiedChain, now: datetime) -> None:
@@ -1195,15 +1204,15 @@ class DcapVerifier:
         return self._docs.get_or(key, lambda: self._verify_doc_uncached(doc, what, tdx_or_qe))
 
     def _verify_doc_uncached(self, doc: SignedDoc, what: str, kind: str) -> _SignedCollateral:
-        certs = load_certificates(doc.issuer_chain_pem, what)
+        certs = parse_certificate_chain(doc.issuer_chain_pem, what)
         # Renewed TCB Signing certificates share serial and key but differ in validity: every
         # candidate that chains to the root and verifies the signature is kept; the time check
         # picks one valid at ``now``.
         signers = []
         for cert in certs:
-            if cert.public_bytes(_DER) == self._root_der:
+            if cert.der == self._root_der:
                 continue
-            chain = self._verify_chain(cert.public_bytes(_PEM), what, pck=False)
+            chain = self._verify_chain(cert.cert.public_bytes(_PEM), what, pck=False)
             if verify_raw_ecdsa(chain.leaf_key, doc.signature, doc.body):
                 signers.append(chain)
         if not signers:
@@ -1400,25 +1409,26 @@ def _cn(cert: x509.Certificate) -> str:
     return str(attrs[0].value) if attrs else cert.subject.rfc4514_string()
 
 
+_VERIFY_ERRORS = (ValueError, TypeError, UnsupportedAlgorithm, InvalidSignature)
+"""What ``verify_directly_issued_by`` raises for a link that does not verify."""
+
+
 def _self_signed(cert: x509.Certificate) -> bool:
     try:
         cert.verify_directly_issued_by(cert)
-    except (ValueError, InvalidSignature, TypeError):
+    except _VERIFY_ERRORS:
         return False
     return True
 
 
-def _check_issued(child: x509.Certificate, parent: x509.Certificate, what: str) -> None:
+def _check_issued(child: ParsedCertificate, parent: ParsedCertificate, what: str) -> None:
     try:
-        child.verify_directly_issued_by(parent)
-    except (ValueError, InvalidSignature, TypeError) as exc:
-        raise EvidenceVerificationError("chain_invalid", f"{what}: {_cn(child)}") from exc
-    try:
-        bc = parent.extensions.get_extension_for_class(x509.BasicConstraints).value
-    except x509.ExtensionNotFound:
-        bc = None
+        child.cert.verify_directly_issued_by(parent.cert)
+    except _VERIFY_ERRORS as exc:
+        raise EvidenceVerificationError("chain_invalid", f"{what}: {_cn(child.cert)}") from exc
+    bc = parent.basic_constraints()
     if bc is None or not bc.ca:
-        raise EvidenceVerificationError("chain_invalid", f"{what}: {_cn(parent)} is not a CA")
+        raise EvidenceVerificationError("chain_invalid", f"{what}: {_cn(parent.cert)} is not a CA")
 
 
 def _verify_crl(data: bytes, issuer: x509.Certificate, what: str) -> VerifiedCrl:

@@ -19,8 +19,9 @@ Collateral names (``Collateral`` mapping), each value DER or PEM:
 Verification: ARK self-signature, ASK/ASVK <- ARK, VCEK/VLEK <- ASK/ASVK (RSASSA-PSS, SHA-384,
 MGF1-SHA-384, salt 48), every certificate valid at ``now``, the ARK pinned, the product
 (Milan/Genoa/Turin, from the VCEK productName and the v3+ CPUID bytes) consistent with the chain,
-the report signature (ECDSA P-384/SHA-384, little-endian R and S) over bytes 0x000-0x29F, the
-signing-key kind (flags) consistent with the certificate supplied, the certificate's TCB
+the report signature (ECDSA P-384/SHA-384, little-endian R and S) over bytes 0x000-0x29F (the
+rest of the signature field, 0x330-0x49F, is reserved and must be zero: ``report_field_invalid``),
+the signing-key kind (flags) consistent with the certificate supplied, the certificate's TCB
 extensions equal to ``reported_tcb``, and (VCEK only) the hwID extension equal to ``chip_id``.
 The report signature is checked before the TCB/hwID comparison: a report that does not verify
 under the given key is ``signature_invalid`` (its detail names a TCB/chip mismatch when the
@@ -46,7 +47,6 @@ import hashlib
 import hmac
 import struct
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,11 +58,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
-from cryptography.hazmat.primitives.serialization import Encoding
-from cryptography.utils import CryptographyDeprecationWarning
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims, Collateral, Detail, Tee, evidence_digest
+from certs.evidence.x509chain import ParsedCertificate, parse_certificate, parse_certificates
 
 __all__ = [
     "COLLATERAL_CERT_CHAIN",
@@ -106,6 +105,7 @@ FLAG_MASK_CHIP_ID: Final = 1 << 1
 
 _P384_ORDER_BYTES: Final = 48
 _SIG_COMPONENT: Final = 72
+_SIG_RESERVED: Final = SIGNED_LEN + 2 * _SIG_COMPONENT  # 0x330: reserved, must be zero
 
 _OID_PRODUCT_NAME: Final = "1.3.6.1.4.1.3704.1.2"
 _OID_BL_SPL: Final = "1.3.6.1.4.1.3704.1.3.1"
@@ -258,6 +258,12 @@ def parse_report(data: bytes) -> AttestationReport:
         raise EvidenceFormatError("report_field_invalid", f"reserved signing key {key_code}")
     if vmpl > 3:
         raise EvidenceFormatError("report_field_invalid", f"vmpl {vmpl}")
+    if any(data[_SIG_RESERVED:]):
+        # Neither signed nor part of R/S: accepting any value would make the evidence malleable.
+        raise EvidenceFormatError(
+            "report_field_invalid",
+            f"signature bytes {_SIG_RESERVED:#x}-{REPORT_SIZE - 1:#x} are reserved, must be zero",
+        )
     cpuid = (data[0x188], data[0x189], data[0x18A]) if version >= 3 else None
     (
         chip_id,
@@ -377,26 +383,20 @@ def product_from_cpuid(cpuid: tuple[int, int, int] | None) -> Product | None:
 # certificates
 
 
-def load_amd_certificate(data: bytes) -> x509.Certificate:
-    """Load one DER or PEM certificate; EvidenceFormatError on anything else.
-
-    AMD issues VCEK/VLEK certificates with serial number 0, which ``cryptography`` accepts with a
-    deprecation warning; that one warning is silenced here, on purpose, and nothing else.
-    """
+def _parse_amd_certificate(data: bytes) -> ParsedCertificate:
     if len(data) > _MAX_CERT:
         raise EvidenceFormatError("certificate_invalid", "certificate too large")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore",
-                message="Parsed a serial number which wasn't positive",
-                category=CryptographyDeprecationWarning,
-            )
-            if data.lstrip()[:10] == b"-----BEGIN":
-                return x509.load_pem_x509_certificate(data)
-            return x509.load_der_x509_certificate(data)
-    except (ValueError, TypeError) as exc:
-        raise EvidenceFormatError("certificate_invalid", str(exc)) from None
+    return parse_certificate(data, max_size=_MAX_CERT, allow_nonpositive_serial=True)
+
+
+def load_amd_certificate(data: bytes) -> x509.Certificate:
+    """Load one DER or PEM certificate strictly; EvidenceFormatError on anything else.
+
+    AMD issues VCEK/VLEK certificates with serial number 0, which ``cryptography`` accepts with a
+    deprecation warning; that one warning is tolerated here, on purpose, and nothing else
+    (``certs.evidence.x509chain.parse_certificate``).
+    """
+    return _parse_amd_certificate(data).cert
 
 
 def _ext_raw(cert: x509.Certificate, oid: str) -> bytes | None:
@@ -469,13 +469,12 @@ def parse_amd_chain(pem: bytes) -> AmdChain:
     """Parse a KDS ``cert_chain`` PEM bundle (ASK or ASVK first, ARK second)."""
     if len(pem) > 4 * _MAX_CERT:
         raise EvidenceFormatError("certificate_invalid", "cert_chain too large")
-    try:
-        certs = x509.load_pem_x509_certificates(pem)
-    except (ValueError, TypeError) as exc:
-        raise EvidenceFormatError("certificate_invalid", f"cert_chain: {exc}") from None
-    if len(certs) != 2:
-        raise EvidenceFormatError("certificate_invalid", f"cert_chain has {len(certs)} certs")
-    inter, ark = certs
+    if b"-----BEGIN" not in pem:
+        raise EvidenceFormatError("certificate_invalid", "cert_chain: not a PEM bundle")
+    parsed = parse_certificates(pem, max_size=_MAX_CERT, allow_nonpositive_serial=True)
+    if len(parsed) != 2:
+        raise EvidenceFormatError("certificate_invalid", f"cert_chain has {len(parsed)} certs")
+    inter, ark = (c.cert for c in parsed)
     ark_cn, inter_cn = _cn(ark.subject), _cn(inter.subject)
     product = _product_of_name(ark_cn.removeprefix("ARK-"))
     if not ark_cn.startswith("ARK-") or product is None:
@@ -491,8 +490,8 @@ def parse_amd_chain(pem: bytes) -> AmdChain:
         key=key,
         ark=ark,
         intermediate=inter,
-        ark_der=ark.public_bytes(Encoding.DER),
-        intermediate_der=inter.public_bytes(Encoding.DER),
+        ark_der=parsed[1].der,
+        intermediate_der=parsed[0].der,
     )
 
 
@@ -510,15 +509,16 @@ class _Endorsement:
 
 
 def _parse_endorsement(data: bytes) -> _Endorsement:
-    cert = load_amd_certificate(data)
-    cn = _cn(cert.subject)
+    parsed = _parse_amd_certificate(data)
+    cert = parsed.cert
+    cn = _cn(parsed.subject)
     if cn == "SEV-VCEK":
         key = SigningKey.VCEK
     elif cn == "SEV-VLEK":
         key = SigningKey.VLEK
     else:
         raise EvidenceVerificationError("signing_key_mismatch", f"not a VCEK/VLEK: {cn!r}")
-    public_key = cert.public_key()
+    public_key = parsed.public_key
     if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(
         public_key.curve, ec.SECP384R1
     ):
@@ -526,7 +526,7 @@ def _parse_endorsement(data: bytes) -> _Endorsement:
     hwid = _ext_raw(cert, _OID_HWID)
     return _Endorsement(
         cert=cert,
-        der=cert.public_bytes(Encoding.DER),
+        der=parsed.der,
         key=key,
         public_key=public_key,
         product=_product_of_name(_der_ia5(_ext_raw(cert, _OID_PRODUCT_NAME))),
@@ -579,6 +579,9 @@ class _Window:
 
 
 def _verify_pss(issuer: x509.Certificate, subject: x509.Certificate, what: str) -> None:
+    """``subject`` <- ``issuer`` with RSASSA-PSS, SHA-384, MGF1-SHA-384, salt 48 (fixed here, not
+    read from the certificate). Certificates come from the strict parser, which also requires the
+    unsigned outer signatureAlgorithm (with its PSS parameters) to equal the signed one."""
     if subject.issuer != issuer.subject:
         raise EvidenceVerificationError(
             "chain_invalid", f"{what}: issuer {_cn(subject.issuer)!r} != {_cn(issuer.subject)!r}"

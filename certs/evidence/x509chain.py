@@ -8,21 +8,32 @@ Reasons: ``untrusted_root`` (the chain does not end at the pinned root), ``chain
 (issuer name or signature mismatch, wrong key type, an issuer that is not a CA),
 ``certificate_expired`` / ``certificate_not_yet_valid`` (some certificate is outside its validity
 at ``now``), and ``certificate_invalid`` (a certificate does not parse; a format error).
+
+``parse_certificate``/``parse_certificates`` are the project's one strict certificate loader (also
+used by the Intel DCAP and SEV-SNP verifiers): everything ``cryptography`` raises or warns about
+while decoding the parts we read (names, key, signature algorithm, extensions, validity) becomes
+``EvidenceFormatError("certificate_invalid")``, and the parts the signature does not cover (the
+outer signatureAlgorithm, the signature's unused bits) must be canonical.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Final, TypeVar
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.utils import CryptographyDeprecationWarning
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 
@@ -30,28 +41,199 @@ MAX_CHAIN = 8
 MAX_CERT_DER = 8192
 _DER = Encoding.DER
 
+# ---------------------------------------------------------------------------------------------
+# strict certificate parsing: every cryptography exception or warning becomes certificate_invalid
+
+_NONPOSITIVE_SERIAL = "Parsed a serial number which wasn't positive"
+_CRYPTOGRAPHY_ERRORS: Final = (
+    ValueError,
+    TypeError,
+    UnsupportedAlgorithm,
+    x509.InvalidVersion,
+    x509.DuplicateExtension,
+    x509.UnsupportedGeneralNameType,
+)
+"""What ``cryptography`` raises on malformed certificate content (parse or lazy decode)."""
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCertificate:
+    """A certificate every part of which this project reads was decoded once, without error.
+
+    Built only by ``parse_certificate``/``parse_certificates``: after that, reading these fields
+    (or the same attributes of ``cert``) cannot raise or warn.
+    """
+
+    cert: x509.Certificate
+    der: bytes
+    subject: x509.Name
+    issuer: x509.Name
+    subject_text: str
+    issuer_text: str
+    serial_number: int
+    public_key: CertificatePublicKeyTypes
+    signature_hash: hashes.HashAlgorithm | None
+    signature_algorithm_oid: x509.ObjectIdentifier
+    extensions: x509.Extensions
+    not_before: datetime
+    not_after: datetime
+
+    @property
+    def common_name(self) -> str:
+        attrs = self.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+        value = attrs[0].value if attrs else ""
+        return value if isinstance(value, str) else value.decode("utf-8", "replace")
+
+    def basic_constraints(self) -> x509.BasicConstraints | None:
+        try:
+            return self.extensions.get_extension_for_class(x509.BasicConstraints).value
+        except x509.ExtensionNotFound:
+            return None
+
+
+def _guarded(what: str, allow_nonpositive_serial: bool, read: Callable[[], _T]) -> _T:
+    """Run ``read`` (cryptography calls on untrusted bytes only), translating its errors and
+    warnings into ``certificate_invalid``. The warnings block is narrow: it covers this call
+    only. (``catch_warnings`` is process-wide, so a warning another thread raises meanwhile is
+    also seen here and fails the parse: fail-closed, uncached, on the cold path only.)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            value = read()
+        except _CRYPTOGRAPHY_ERRORS as exc:
+            raise EvidenceFormatError("certificate_invalid", f"{what}: {exc}") from None
+    for warning in caught:
+        tolerated = (
+            allow_nonpositive_serial
+            and issubclass(warning.category, CryptographyDeprecationWarning)
+            and str(warning.message).startswith(_NONPOSITIVE_SERIAL)
+        )
+        if not tolerated:
+            raise EvidenceFormatError("certificate_invalid", f"{what}: {warning.message}")
+    return value
+
+
+def _tlv(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
+    """(tag, content start, content end) of the DER element at ``pos`` (short tags only)."""
+    if pos + 2 > end:
+        raise ValueError("DER element runs past its parent")
+    tag, length = data[pos], data[pos + 1]
+    pos += 2
+    if length & 0x80:
+        count = length & 0x7F
+        if not 0 < count <= 3 or pos + count > end:
+            raise ValueError("unsupported DER length")
+        length = int.from_bytes(data[pos : pos + count], "big")
+        pos += count
+    if pos + length > end:
+        raise ValueError("DER element runs past its parent")
+    return tag, pos, pos + length
+
+
+def _check_outer_signature(der: bytes) -> None:
+    """The parts of a certificate its signature does not cover must be canonical: the outer
+    signatureAlgorithm equals the signed one in tbsCertificate (RFC 5280 4.1.1.2, byte for byte;
+    without this, e.g., RSASSA-PSS parameters in the outer copy could be altered freely), and the
+    signature BIT STRING has no unused bits."""
+    _, start, end = _tlv(der, 0, len(der))
+    _, tbs_start, tbs_end = _tlv(der, start, end)
+    _, _, alg_end = _tlv(der, tbs_end, end)
+    outer = der[tbs_end:alg_end]
+    tag, bits_start, bits_end = _tlv(der, alg_end, end)
+    if tag != 0x03 or bits_end != end or bits_start == bits_end or der[bits_start] != 0:
+        raise ValueError("signature BIT STRING has unused bits or trailing data")
+    pos = tbs_start
+    tag, _, field_end = _tlv(der, pos, tbs_end)
+    if tag == 0xA0:  # [0] version
+        pos = field_end
+    _, _, pos = _tlv(der, pos, tbs_end)  # serialNumber
+    _, _, inner_end = _tlv(der, pos, tbs_end)
+    if der[pos:inner_end] != outer:
+        raise ValueError("outer signatureAlgorithm differs from the signed one in tbsCertificate")
+
+
+def _inspect(cert: x509.Certificate) -> ParsedCertificate:
+    """Decode every part of ``cert`` we read (names, key, algorithms, extensions, validity)."""
+    der = cert.public_bytes(_DER)
+    _check_outer_signature(der)
+    subject, issuer = cert.subject, cert.issuer
+    cert.signature_algorithm_parameters  # noqa: B018 -- decoded for its errors only
+    return ParsedCertificate(
+        cert=cert,
+        der=der,
+        subject=subject,
+        issuer=issuer,
+        subject_text=subject.rfc4514_string(),
+        issuer_text=issuer.rfc4514_string(),
+        serial_number=cert.serial_number,
+        public_key=cert.public_key(),
+        signature_hash=cert.signature_hash_algorithm,
+        signature_algorithm_oid=cert.signature_algorithm_oid,
+        extensions=cert.extensions,
+        not_before=cert.not_valid_before_utc,
+        not_after=cert.not_valid_after_utc,
+    )
+
+
+def parse_certificate(
+    data: bytes, *, max_size: int = MAX_CERT_DER, allow_nonpositive_serial: bool = False
+) -> ParsedCertificate:
+    """Parse one DER or PEM certificate strictly; raise only EvidenceFormatError.
+
+    ``allow_nonpositive_serial``: tolerate (only) cryptography's warning about a serial number
+    that is zero or negative (AMD issues VCEK/VLEK certificates with serial 0).
+    """
+    pem = data.lstrip()[:10] == b"-----BEGIN"
+    if len(data) > (2 if pem else 1) * max_size:
+        raise EvidenceFormatError("certificate_invalid", "certificate too large")
+
+    def read() -> ParsedCertificate:
+        if pem:
+            return _inspect(x509.load_pem_x509_certificate(data))
+        return _inspect(x509.load_der_x509_certificate(data))
+
+    return _guarded("certificate", allow_nonpositive_serial, read)
+
+
+def parse_certificates(
+    data: bytes,
+    *,
+    max_count: int = MAX_CHAIN,
+    max_size: int = MAX_CERT_DER,
+    allow_nonpositive_serial: bool = False,
+) -> tuple[ParsedCertificate, ...]:
+    """Parse a PEM bundle (file order, 1 to ``max_count`` certificates) or one DER certificate
+    strictly; raise only EvidenceFormatError."""
+    if b"-----BEGIN" not in data:
+        return (
+            parse_certificate(
+                data, max_size=max_size, allow_nonpositive_serial=allow_nonpositive_serial
+            ),
+        )
+    if len(data) > 2 * max_size * max_count:
+        raise EvidenceFormatError("certificate_invalid", "certificate bundle too large")
+
+    def read() -> tuple[ParsedCertificate, ...]:
+        certs = x509.load_pem_x509_certificates(data)
+        if not 0 < len(certs) <= max_count:
+            raise EvidenceFormatError("certificate_invalid", f"{len(certs)} certificates")
+        return tuple(_inspect(c) for c in certs)
+
+    return _guarded("certificate bundle", allow_nonpositive_serial, read)
+
 
 def load_certificate(data: bytes) -> x509.Certificate:
-    """Load one DER or PEM certificate; raise EvidenceFormatError on anything else."""
-    if len(data) > 4 * MAX_CERT_DER:
-        raise EvidenceFormatError("certificate_invalid", "certificate too large")
-    try:
-        if data.lstrip().startswith(b"-----BEGIN"):
-            return x509.load_pem_x509_certificate(data)
-        return x509.load_der_x509_certificate(data)
-    except (ValueError, TypeError) as exc:
-        raise EvidenceFormatError("certificate_invalid", str(exc)) from None
+    """Load one DER or PEM certificate strictly; raise EvidenceFormatError on anything else."""
+    return parse_certificate(data).cert
 
 
 def load_pem_chain(data: bytes) -> tuple[bytes, ...]:
-    """Split a PEM bundle into DER certificates (in file order)."""
-    try:
-        certs = x509.load_pem_x509_certificates(data)
-    except (ValueError, TypeError) as exc:
-        raise EvidenceFormatError("certificate_invalid", f"PEM chain: {exc}") from None
-    if not 0 < len(certs) <= MAX_CHAIN:
-        raise EvidenceFormatError("certificate_invalid", f"chain has {len(certs)} certificates")
-    return tuple(c.public_bytes(_DER) for c in certs)
+    """Split a PEM bundle into DER certificates (in file order), each parsed strictly."""
+    if b"-----BEGIN" not in data:
+        raise EvidenceFormatError("certificate_invalid", "PEM chain: no PEM certificate")
+    return tuple(c.der for c in parse_certificates(data))
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +282,8 @@ class ChainVerifier:
 
     The chain may end with the root itself (byte-identical) or with a certificate the root
     issued. Every certificate key must be ECDSA on ``curve``; every signature must use ``hash``.
+    Every certificate is parsed strictly first (``parse_certificate``), so a malformed one is
+    ``certificate_invalid`` and nothing later reads an undecodable part.
     """
 
     def __init__(
@@ -110,8 +294,8 @@ class ChainVerifier:
         hash_algorithm: type[hashes.HashAlgorithm] = hashes.SHA384,
         cache_size: int = 512,
     ) -> None:
-        self._root = load_certificate(root)
-        self._root_der = self._root.public_bytes(_DER)
+        self._root = parse_certificate(root, max_size=4 * MAX_CERT_DER)
+        self._root_der = self._root.der
         self._curve = curve
         self._hash = hash_algorithm
         self._links = _Lru(cache_size)
@@ -122,61 +306,44 @@ class ChainVerifier:
     def root_der(self) -> bytes:
         return self._root_der
 
-    def _parse(self, der: bytes) -> x509.Certificate:
+    def _parse(self, der: bytes) -> ParsedCertificate:
         cached = self._parsed.get(der)
-        if isinstance(cached, x509.Certificate):
+        if isinstance(cached, ParsedCertificate):
             return cached
-        if len(der) > MAX_CERT_DER:
-            raise EvidenceFormatError("certificate_invalid", "certificate too large")
-        try:
-            cert = x509.load_der_x509_certificate(der)
-        except (ValueError, TypeError) as exc:
-            raise EvidenceFormatError("certificate_invalid", str(exc)) from None
+        if der.lstrip()[:10] == b"-----BEGIN":
+            raise EvidenceFormatError("certificate_invalid", "chain certificates must be DER")
+        cert = parse_certificate(der)
         self._parsed.put(der, cert)
         return cert
 
-    def _key(self, cert: x509.Certificate) -> ec.EllipticCurvePublicKey:
-        try:
-            key = cert.public_key()
-        except (ValueError, TypeError) as exc:
-            raise EvidenceVerificationError("chain_invalid", f"unreadable key: {exc}") from None
+    def _key(self, cert: ParsedCertificate) -> ec.EllipticCurvePublicKey:
+        key = cert.public_key
         if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, self._curve):
             raise EvidenceVerificationError(
-                "chain_invalid", f"{cert.subject.rfc4514_string()}: key is not {self._curve.name}"
+                "chain_invalid", f"{cert.subject_text}: key is not {self._curve.name}"
             )
         return key
 
-    def _check_link(
-        self, child_der: bytes, child: x509.Certificate, parent_der: bytes, parent: x509.Certificate
-    ) -> None:
-        if self._links.get((child_der, parent_der)) is not None:
+    def _check_link(self, child: ParsedCertificate, parent: ParsedCertificate) -> None:
+        if self._links.get((child.der, parent.der)) is not None:
             return
         self._key(parent)
-        try:
-            constraints = parent.extensions.get_extension_for_class(x509.BasicConstraints).value
-        except x509.ExtensionNotFound:
-            constraints = None
-        except ValueError as exc:
-            raise EvidenceVerificationError("chain_invalid", f"bad extensions: {exc}") from None
+        constraints = parent.basic_constraints()
         if constraints is None or not constraints.ca:
+            raise EvidenceVerificationError("chain_invalid", f"{parent.subject_text} is not a CA")
+        if not isinstance(child.signature_hash, self._hash):
             raise EvidenceVerificationError(
-                "chain_invalid", f"{parent.subject.rfc4514_string()} is not a CA"
-            )
-        algorithm = child.signature_hash_algorithm
-        if not isinstance(algorithm, self._hash):
-            raise EvidenceVerificationError(
-                "chain_invalid",
-                f"{child.subject.rfc4514_string()}: signature hash is not {self._hash.name}",
+                "chain_invalid", f"{child.subject_text}: signature hash is not {self._hash.name}"
             )
         try:
-            child.verify_directly_issued_by(parent)
-        except (ValueError, TypeError, InvalidSignature) as exc:
+            child.cert.verify_directly_issued_by(parent.cert)
+        except (ValueError, TypeError, UnsupportedAlgorithm, InvalidSignature) as exc:
             raise EvidenceVerificationError(
                 "chain_invalid",
-                f"{child.subject.rfc4514_string()} not issued by "
-                f"{parent.subject.rfc4514_string()}: {exc or 'bad signature'}",
+                f"{child.subject_text} not issued by {parent.subject_text}: "
+                f"{exc or 'bad signature'}",
             ) from None
-        self._links.put((child_der, parent_der), True)
+        self._links.put((child.der, parent.der), True)
 
     def verify(self, chain: Sequence[bytes], now: datetime) -> VerifiedChain:
         """Verify leaf-first ``chain`` (DER) to the pinned root at ``now``."""
@@ -197,22 +364,21 @@ class ChainVerifier:
         elif top.issuer != self._root.subject:
             raise EvidenceVerificationError(
                 "untrusted_root",
-                f"chain ends at {top.issuer.rfc4514_string()}, not the pinned "
-                f"{self._root.subject.rfc4514_string()}",
+                f"chain ends at {top.issuer_text}, not the pinned {self._root.subject_text}",
             )
         else:
             try:
-                self._check_link(ders[-1], top, self._root_der, self._root)
+                self._check_link(top, self._root)
             except EvidenceVerificationError as exc:
                 raise EvidenceVerificationError("untrusted_root", exc.detail) from None
-        for i in range(len(certs) - 1):
-            self._check_link(ders[i], certs[i], ders[i + 1], certs[i + 1])
+        for child, parent in itertools.pairwise(certs):
+            self._check_link(child, parent)
         everything = [*certs, self._root]
         verified = VerifiedChain(
             leaf_key=self._key(certs[0]),
-            leaf=certs[0],
-            not_before=max(c.not_valid_before_utc for c in everything),
-            not_after=min(c.not_valid_after_utc for c in everything),
+            leaf=certs[0].cert,
+            not_before=max(c.not_before for c in everything),
+            not_after=min(c.not_after for c in everything),
         )
         self._chains.put(key, verified)
         verified.check_time(now)

@@ -8,7 +8,9 @@ built here) and every check is parametrized by TEE:
    ``detect_tee`` names its TEE;
 2. a flipped byte in each listed signed region fails with the exact error and reason (a
    signature-class reason, or the exact format reason where the flip breaks parsing);
-3. a flipped byte in the signature fails with the signature reason;
+3. a flipped byte in the signature fails with the signature reason; a flipped byte the format
+   reserves outside the signed bytes (SEV-SNP's signature field after R and S) is a format error;
+   a flipped byte in a certificate the evidence carries is a project error, exactly as listed;
 4. truncation (0, 1, half, end of the signed structure - 1) is an EvidenceFormatError only;
 5. a wrong root fails with the exact reason the verifier's design gives;
 6. a time outside the validity window fails with the exact expiry reason;
@@ -225,11 +227,19 @@ def test_flipped_signature_byte_is_signature_invalid(case: Case, flip: Flip) -> 
 @pytest.mark.parametrize(("case", "flip"), list(_params("embedded_flips")))
 def test_flipped_byte_in_an_embedded_certificate(case: Case, flip: Flip) -> None:
     """Certificates carried inside the evidence (Nitro cabundle, DCAP PCK chain): a flip must
-    end in a project error; foreign exceptions (and warnings, which the project's test config
-    turns into errors) escaping instead are the documented xfails."""
+    end in the exact project error; no foreign exception and no warning (made an error here
+    whatever the test config says) may escape."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _expect(case, case.subject, _flipped(case.subject.evidence, flip), flip.error, flip.reason)
+
+
+@pytest.mark.parametrize(("case", "flip"), list(_params("reserved_flips")))
+def test_flipped_reserved_byte_is_a_format_error(case: Case, flip: Flip) -> None:
+    """Bytes the format reserves (must be zero) outside any signature: a non-zero value is a
+    format error, never accepted (SEV-SNP: the signature field after R and S)."""
+    assert flip.error is EvidenceFormatError
+    _expect(case, case.subject, _flipped(case.subject.evidence, flip), flip.error, flip.reason)
 
 
 # ---------------------------------------------------------------------------------------------
