@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import TcbStatus
-from certs.evidence.x509chain import ParsedCertificate, parse_certificates
+from certs.evidence.x509chain import ParsedCertificate, decode_strictly, parse_certificates
 
 # --------------------------------------------------------------------------------------------
 # Wire constants
@@ -1431,18 +1431,51 @@ def _check_issued(child: ParsedCertificate, parent: ParsedCertificate, what: str
         raise EvidenceVerificationError("chain_invalid", f"{what}: {_cn(parent.cert)} is not a CA")
 
 
+@dataclass(frozen=True, slots=True)
+class _CrlFacts:
+    issuer: x509.Name
+    issuer_text: str
+    signature_valid: bool
+    last_update: datetime
+    next_update: datetime | None
+    revoked: frozenset[int]
+
+
+def _read_crl(data: bytes, issuer: x509.Certificate, what: str) -> _CrlFacts:
+    """Decode every part of the CRL we use; any ``cryptography`` error or warning on the way
+    (undecodable names, entries, algorithms) is ``collateral_invalid``."""
+
+    def read() -> _CrlFacts:
+        crl = load_crl(data, what)
+        key = issuer.public_key()
+        name = crl.issuer
+        return _CrlFacts(
+            issuer=name,
+            issuer_text=name.rfc4514_string(),
+            signature_valid=isinstance(key, ec.EllipticCurvePublicKey)
+            and crl.is_signature_valid(key),
+            last_update=crl.last_update_utc,
+            next_update=crl.next_update_utc,
+            revoked=frozenset(r.serial_number for r in crl),
+        )
+
+    return decode_strictly(
+        read, lambda detail: _collateral_error(f"{what}: unreadable CRL: {detail}")
+    )
+
+
 def _verify_crl(data: bytes, issuer: x509.Certificate, what: str) -> VerifiedCrl:
-    crl = load_crl(data, what)
+    crl = _read_crl(data, issuer, what)
     if crl.issuer != issuer.subject:
-        raise EvidenceVerificationError("crl_issuer_mismatch", f"{what} issued by {crl.issuer}")
-    key = issuer.public_key()
-    if not isinstance(key, ec.EllipticCurvePublicKey) or not crl.is_signature_valid(key):
+        raise EvidenceVerificationError(
+            "crl_issuer_mismatch", f"{what} issued by {crl.issuer_text}"
+        )
+    if not crl.signature_valid:
         raise EvidenceVerificationError("collateral_signature_invalid", what)
-    next_update = crl.next_update_utc
-    if next_update is None:
+    if crl.next_update is None:
         raise _collateral_error(f"{what} has no nextUpdate")
     return VerifiedCrl(
         issuer_name=crl.issuer,
-        window=Window(crl.last_update_utc, next_update),
-        revoked=frozenset(r.serial_number for r in crl),
+        window=Window(crl.last_update, crl.next_update),
+        revoked=crl.revoked,
     )

@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.utils import CryptographyDeprecationWarning
 
-from certs.errors import EvidenceFormatError, EvidenceVerificationError
+from certs.errors import AttestmeshError, EvidenceFormatError, EvidenceVerificationError
 
 MAX_CHAIN = 8
 MAX_CERT_DER = 8192
@@ -93,17 +93,26 @@ class ParsedCertificate:
             return None
 
 
-def _guarded(what: str, allow_nonpositive_serial: bool, read: Callable[[], _T]) -> _T:
-    """Run ``read`` (cryptography calls on untrusted bytes only), translating its errors and
-    warnings into ``certificate_invalid``. The warnings block is narrow: it covers this call
-    only. (``catch_warnings`` is process-wide, so a warning another thread raises meanwhile is
-    also seen here and fails the parse: fail-closed, uncached, on the cold path only.)"""
+def decode_strictly(
+    read: Callable[[], _T],
+    fail: Callable[[str], AttestmeshError],
+    *,
+    allow_nonpositive_serial: bool = False,
+) -> _T:
+    """Run ``read`` (``cryptography`` decoding of untrusted bytes, nothing else) and raise
+    ``fail(detail)`` for any error or warning it produces.
+
+    The warnings block is narrow: it covers this call only, and tolerates at most the one
+    non-positive-serial warning when asked to. (``catch_warnings`` is process-wide, so a warning
+    another thread raises meanwhile is seen here too and fails this decode: fail-closed, not
+    cached, and on the cold path only.)
+    """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             value = read()
         except _CRYPTOGRAPHY_ERRORS as exc:
-            raise EvidenceFormatError("certificate_invalid", f"{what}: {exc}") from None
+            raise fail(str(exc) or type(exc).__name__) from None
     for warning in caught:
         tolerated = (
             allow_nonpositive_serial
@@ -111,8 +120,12 @@ def _guarded(what: str, allow_nonpositive_serial: bool, read: Callable[[], _T]) 
             and str(warning.message).startswith(_NONPOSITIVE_SERIAL)
         )
         if not tolerated:
-            raise EvidenceFormatError("certificate_invalid", f"{what}: {warning.message}")
+            raise fail(str(warning.message))
     return value
+
+
+def _certificate_invalid(what: str) -> Callable[[str], AttestmeshError]:
+    return lambda detail: EvidenceFormatError("certificate_invalid", f"{what}: {detail}")
 
 
 def _tlv(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
@@ -194,7 +207,9 @@ def parse_certificate(
             return _inspect(x509.load_pem_x509_certificate(data))
         return _inspect(x509.load_der_x509_certificate(data))
 
-    return _guarded("certificate", allow_nonpositive_serial, read)
+    return decode_strictly(
+        read, _certificate_invalid("certificate"), allow_nonpositive_serial=allow_nonpositive_serial
+    )
 
 
 def parse_certificates(
@@ -221,7 +236,11 @@ def parse_certificates(
             raise EvidenceFormatError("certificate_invalid", f"{len(certs)} certificates")
         return tuple(_inspect(c) for c in certs)
 
-    return _guarded("certificate bundle", allow_nonpositive_serial, read)
+    return decode_strictly(
+        read,
+        _certificate_invalid("certificate bundle"),
+        allow_nonpositive_serial=allow_nonpositive_serial,
+    )
 
 
 def load_certificate(data: bytes) -> x509.Certificate:
