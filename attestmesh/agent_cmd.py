@@ -7,11 +7,16 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
+import warnings
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from pydantic.warnings import PydanticDeprecatedSince212
 
 from certs.errors import AttestmeshError
 from sidecar.agent import Agent, EvidenceSource, SimEvidenceSource, client_ssl_context
@@ -25,11 +30,21 @@ def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
     a: argparse.ArgumentParser = sub.add_parser(
         "agent", help="run the sidecar agent: attest, serve the cert to Envoy"
     )
-    a.add_argument("--control-plane", required=True, help="attestation API URL, https://host:port")
-    a.add_argument("--workload", required=True, help="this workload's registration name")
-    a.add_argument("--ca-bundle", type=Path, required=True, help="mesh root CA bundle (PEM)")
+    # required unless --check (checked in run_agent: argparse cannot make them conditional)
+    a.add_argument("--control-plane", help="attestation API URL, https://host:port (required)")
+    a.add_argument("--workload", help="this workload's registration name (required)")
+    a.add_argument("--ca-bundle", type=Path, help="mesh root CA bundle, PEM (required)")
     a.add_argument(
         "--sds-socket", type=Path, required=True, help="Unix socket Envoy reads SDS from"
+    )
+    a.add_argument(
+        "--check",
+        action="store_true",
+        help="probe instead of running: exit 0 when --sds-socket serves a currently valid "
+        "certificate, 1 otherwise (the injected agent's startup probe)",
+    )
+    a.add_argument(
+        "--check-timeout", type=float, default=2.0, help="--check: seconds to wait for it"
     )
     a.add_argument(
         "--token-file", type=Path, help="identity token (projected SA token / join token)"
@@ -37,9 +52,8 @@ def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
     a.add_argument(
         "--tee",
         choices=["sim", *DEVICE_TEES],
-        required=True,
-        help="sim (local runs), sev-snp (/dev/sev-guest), tsm (configfs-tsm: SNP or TDX), "
-        "nitro (/dev/nsm), sgx (Gramine /dev/attestation)",
+        help="(required) sim (local runs), sev-snp (/dev/sev-guest), tsm (configfs-tsm: SNP "
+        "or TDX), nitro (/dev/nsm), sgx (Gramine /dev/attestation)",
     )
     a.add_argument("--device", type=Path, help="override the TEE device path")
     a.add_argument("--sim-platform-key", type=Path, help="sim: the simulated platform private key")
@@ -66,7 +80,101 @@ def _source(args: argparse.Namespace) -> EvidenceSource:
     return device_source(args.tee, args.device)
 
 
+_REQUIRED = (
+    ("control_plane", "--control-plane"),
+    ("workload", "--workload"),
+    ("ca_bundle", "--ca-bundle"),
+    ("tee", "--tee"),
+)
+
+
+def check_agent_args(args: argparse.Namespace) -> None:
+    """The flags a running agent needs (``--check`` needs only ``--sds-socket``)."""
+    if args.check:
+        return
+    missing = [flag for attr, flag in _REQUIRED if getattr(args, attr) is None]
+    if missing:
+        raise AttestmeshError("usage", f"agent needs {', '.join(missing)} (unless --check)")
+
+
+async def check_sds(path: Path, *, now: datetime, timeout_s: float) -> x509.Certificate:
+    """Fetch the workload certificate from the SDS socket at ``path`` as Envoy does; return its
+    leaf when one is served and valid at ``now``, else raise ``AttestmeshError``."""
+    import grpclib.const
+    import grpclib.exceptions
+    from grpclib.client import Channel
+
+    from xds.resources import SDS_SERVICE, WORKLOAD_CERT, TypeUrl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PydanticDeprecatedSince212)
+        from envoy_data_plane.envoy.config.core.v3 import Node
+        from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import Secret
+        from envoy_data_plane.envoy.service.discovery.v3 import (
+            DiscoveryRequest,
+            DiscoveryResponse,
+        )
+
+    channel = Channel(path=str(path))
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with channel.request(
+                f"/{SDS_SERVICE}/StreamSecrets",
+                grpclib.const.Cardinality.STREAM_STREAM,
+                DiscoveryRequest,
+                DiscoveryResponse,
+            ) as stream:
+                await stream.send_message(
+                    DiscoveryRequest(
+                        node=Node(id="attestmesh-agent-check"),
+                        type_url=TypeUrl.SECRET,
+                        resource_names=[WORKLOAD_CERT],
+                    )
+                )
+                resp = await stream.recv_message()
+                await stream.cancel()
+    except TimeoutError:
+        raise AttestmeshError(
+            "sds_not_ready", f"{path} served no certificate within {timeout_s}s"
+        ) from None
+    except (OSError, grpclib.exceptions.GRPCError, grpclib.exceptions.StreamTerminatedError) as exc:
+        raise AttestmeshError("sds_not_ready", f"{path}: {exc}") from None
+    finally:
+        channel.close()
+    chain = b""
+    for res in resp.resources if resp is not None else []:
+        msg = res.unpack()
+        if isinstance(msg, Secret) and msg.name == WORKLOAD_CERT and msg.tls_certificate:
+            source = msg.tls_certificate.certificate_chain
+            chain = (source.inline_bytes or b"") if source is not None else b""
+    try:
+        leaf = x509.load_pem_x509_certificates(chain)[0]
+    except (ValueError, IndexError):
+        raise AttestmeshError("sds_not_ready", f"{path} served no certificate") from None
+    if not leaf.not_valid_before_utc <= now < leaf.not_valid_after_utc:
+        raise AttestmeshError(
+            "sds_not_ready", f"the certificate {path} serves expired {leaf.not_valid_after_utc}"
+        )
+    return leaf
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        leaf = asyncio.run(
+            check_sds(args.sds_socket, now=datetime.now(UTC), timeout_s=args.check_timeout)
+        )
+    except AttestmeshError as exc:
+        print(f"attestmesh agent --check: {exc.detail}", file=sys.stderr)
+        return 1
+    print(f"serving {leaf.subject.rfc4514_string() or 'a certificate'} until "
+          f"{leaf.not_valid_after_utc.isoformat()}")  # fmt: skip
+    return 0
+
+
 def run_agent(args: argparse.Namespace) -> int:
+    check_agent_args(args)
+    if args.check:
+        return _check(args)
     source = _source(args)
     bundle = args.ca_bundle.read_bytes()
 

@@ -19,6 +19,13 @@ Wiring only (behaviour lives in ``xds.kube``, ``sidecar.inject`` and the control
   persisted state are re-applied (idempotent), so actions survive a restart or a failed call.
 - The sidecar-injection webhook is served in the same process, its serving certificate issued
   from the mesh CA (or given), and its CA bundle written into the MutatingWebhookConfiguration.
+- Trust bundle: the leader keeps the ConfigMap ``attestmesh-trust-bundle`` (key ``root.pem``,
+  the mesh root bundle the API serves) in every namespace labelled ``attestmesh.dev/inject=
+  enabled`` and every namespace where a pod carrying the injected annotation was seen (seen
+  before it is registered: an injected pod cannot start until the ConfigMap exists). Injected
+  agents verify the attestation API with it, injected Envoys the xDS server. Written when a
+  namespace first needs it and re-checked on every re-apply (drift, a changed bundle, a
+  deleted ConfigMap); never deleted (public data, and pods may still mount it).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import enum
 import logging
 import ssl
@@ -47,7 +55,15 @@ from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import AttestmeshError, PolicyError
 from certs.issuance import IdentityError
 from certs.policy import AttestationPolicy, Mode, OnFailure, parse_policies, policies_for
-from sidecar.inject import InjectConfig, NamespaceLabels, build_app, webhook_counter
+from sidecar.inject import (
+    LABEL_INJECT,
+    TRUST_CONFIGMAP,
+    TRUST_KEY,
+    InjectConfig,
+    NamespaceLabels,
+    build_app,
+    webhook_counter,
+)
 from xds.build import TrustMaterial
 from xds.kube import (
     KubeActions,
@@ -160,6 +176,7 @@ class WorkKind(enum.StrEnum):
     RELEASE = "release"
     AUDIT = "audit"
     REAPPLY = "reapply"
+    TRUST_BUNDLE = "trust_bundle"
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +187,7 @@ class Work:
     trigger: Trigger = Trigger.OPERATOR
     evict: bool = False
     platform_failed: bool = False
+    namespace: str = ""  # TRUST_BUNDLE: where
 
 
 def should_evict(policies: Sequence[AttestationPolicy], reg: Registration) -> bool:
@@ -291,6 +309,7 @@ class KubeMode:
                 on_registration=self._on_registration,
                 on_removed=self._on_removed,
                 on_policy_documents=self._on_policy_documents,
+                on_injected_pod=self._on_injected_pod,
             ),
             is_leader=lambda: self.elector.is_leader,
             metrics=self.kube_metrics,
@@ -318,6 +337,10 @@ class KubeMode:
         self._retry = asyncio.Event()
         self._cp: ControlPlane | None = None
         self._ca_bundle: bytes | None = None
+        # namespaces that need the trust-bundle ConfigMap, and the bundle last written there
+        self.trust_namespaces: set[str] = set()
+        self._trust_written: dict[str, bytes] = {}
+        self._trust_queued: set[str] = set()
 
     def hooks(self) -> Hooks:
         return Hooks(identity=self.identity, wrap_publisher=self._wrap, run=self.run)
@@ -369,6 +392,26 @@ class KubeMode:
         if isinstance(name, str):
             labels = {} if etype == "DELETED" else (meta.get("labels") or {})
             self.namespaces.set(name, {str(k): str(v) for k, v in labels.items()})
+            if etype == "DELETED":
+                self.trust_namespaces.discard(name)
+                self._trust_written.pop(name, None)
+            elif labels.get(LABEL_INJECT) == "enabled":
+                self._need_trust_bundle(name)
+
+    async def _on_injected_pod(self, namespace: str) -> None:
+        self._need_trust_bundle(namespace)
+
+    def _need_trust_bundle(self, namespace: str) -> None:
+        if namespace == self.settings.namespace:
+            return  # never injected (sidecar.inject)
+        self.trust_namespaces.add(namespace)
+        if not self.elector.is_leader or self._cp is None:
+            return  # a new leader's re-apply covers every namespace in trust_namespaces
+        if self._trust_written.get(namespace) == self.trust_bundle():
+            return
+        if namespace not in self._trust_queued:
+            self._trust_queued.add(namespace)
+            self.submit(Work(WorkKind.TRUST_BUNDLE, namespace=namespace))
 
     # -- leadership ---------------------------------------------------------------------------
 
@@ -391,6 +434,10 @@ class KubeMode:
             await self.actions.release(work.workload)
         elif work.kind is WorkKind.AUDIT:
             await self.actions.record_audit(work.workload, work.reason, work.trigger)
+        elif work.kind is WorkKind.TRUST_BUNDLE:
+            self._trust_queued.discard(work.namespace)
+            if self.elector.is_leader and work.namespace in self.trust_namespaces:
+                await self.ensure_trust_bundle(work.namespace)
         else:
             if not self.elector.is_leader:
                 return
@@ -400,6 +447,77 @@ class KubeMode:
                 state, lambda name: should_evict(self.policies, state.get(name).registration)
             )
             await self._write_ca_bundle()
+            failed: list[str] = []
+            for namespace in sorted(self.trust_namespaces):
+                try:
+                    await self.ensure_trust_bundle(namespace, cached=False)
+                except KubeError as exc:  # one namespace does not hold up the others
+                    log.warning("trust bundle in %s: %s", namespace, exc)
+                    failed.append(namespace)
+            if failed:
+                self._retry.set()
+
+    # -- trust bundle -------------------------------------------------------------------------
+
+    def trust_bundle(self) -> bytes:
+        """The mesh root bundle injected pods trust: the one the attestation API serves."""
+        return self.cp.ca.bundle_pem
+
+    async def ensure_trust_bundle(self, namespace: str, *, cached: bool = True) -> bool:
+        """Create or update the ``attestmesh-trust-bundle`` ConfigMap in ``namespace`` so that
+        ``root.pem`` is the current bundle; True when it wrote. Idempotent: reads first, and an
+        unchanged ConfigMap is not written (``cached``: not even read when this replica wrote
+        the same bundle there)."""
+        bundle = self.trust_bundle()
+        if cached and self._trust_written.get(namespace) == bundle:
+            return False
+        kube, text = self.kube, bundle.decode()
+        labels = {
+            "app.kubernetes.io/managed-by": "attestmesh",
+            "app.kubernetes.io/part-of": "attestmesh",
+        }
+        for _ in range(2):  # a create that lost a race is followed by one read-and-update
+            try:
+                current = await kube.call(
+                    kube.core.read_namespaced_config_map, TRUST_CONFIGMAP, namespace
+                )
+            except KubeError as exc:
+                if exc.status != 404:
+                    raise
+                body = {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {"name": TRUST_CONFIGMAP, "namespace": namespace, "labels": labels},
+                    "data": {TRUST_KEY: text},
+                }
+                try:
+                    await kube.call(kube.core.create_namespaced_config_map, namespace, body)
+                except KubeError as exc2:
+                    if exc2.status == 409:
+                        continue
+                    raise
+                log.info("created ConfigMap %s/%s (mesh trust bundle)", namespace, TRUST_CONFIGMAP)
+                self._trust_written[namespace] = bundle
+                return True
+            meta = current.get("metadata") or {}
+            data = current.get("data") or {}
+            have_labels = meta.get("labels") or {}
+            if data.get(TRUST_KEY) == text and labels.items() <= have_labels.items():
+                self._trust_written[namespace] = bundle
+                return False
+            current["data"] = {**data, TRUST_KEY: text}
+            binary = current.get("binaryData")
+            if isinstance(binary, dict):
+                binary.pop(TRUST_KEY, None)  # a key may not be in both
+            meta["labels"] = {**have_labels, **labels}
+            current["metadata"] = meta  # resourceVersion kept: a concurrent writer gets 409
+            await kube.call(
+                kube.core.replace_namespaced_config_map, TRUST_CONFIGMAP, namespace, current
+            )
+            log.info("updated ConfigMap %s/%s (mesh trust bundle)", namespace, TRUST_CONFIGMAP)
+            self._trust_written[namespace] = bundle
+            return True
+        raise KubeError("conflict", f"ConfigMap {namespace}/{TRUST_CONFIGMAP} keeps changing", 409)
 
     async def _worker(self) -> None:
         while True:
@@ -408,7 +526,8 @@ class KubeMode:
                 await self._perform(work)
             except (KubeError, AttestmeshError) as exc:
                 # idempotent actions: the next re-apply repairs what this one missed
-                log.warning("kubernetes %s of %s failed: %s", work.kind, work.workload, exc)
+                what = work.workload or work.namespace
+                log.warning("kubernetes %s of %s failed: %s", work.kind, what, exc)
                 self._retry.set()
             finally:
                 self.completed.append(work)
@@ -550,7 +669,9 @@ class KubeMode:
             webhook_ctx: ssl.SSLContext | None = None
             if s.webhook_port is not None:
                 webhook_ctx = self._webhook_tls()
-                app = build_app(s.inject, self.namespaces, webhook_counter(self.metrics.registry))
+                # injected bootstraps verify the xDS server's SPIFFE ID in this trust domain
+                inject = dataclasses.replace(s.inject, trust_domain=cp.state.trust_domain)
+                app = build_app(inject, self.namespaces, webhook_counter(self.metrics.registry))
                 runner = web.AppRunner(app, access_log=None)
                 runners.append(runner)
                 await runner.setup()

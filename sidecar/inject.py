@@ -64,11 +64,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from certs.evidence.claims import Tee
+from xds.kube import (
+    ANNOTATION_APP_PORT,
+    ANNOTATION_INBOUND_PORT,
+    ANNOTATION_INJECTED,
+    DEFAULT_INBOUND_PORT,
+    pod_ports,
+)
 
 log = logging.getLogger(__name__)
 
 ANNOTATION_INJECT = "attestmesh.dev/inject"
-ANNOTATION_INJECTED = "attestmesh.dev/injected"
 ANNOTATION_TEE = "attestmesh.dev/tee"
 LABEL_INJECT = "attestmesh.dev/inject"
 LABEL_TEE = "attestmesh.dev/tee"
@@ -80,9 +86,20 @@ CONTAINER_NAMES = (BOOTSTRAP_CONTAINER, AGENT_CONTAINER, ENVOY_CONTAINER)
 SDS_VOLUME = "attestmesh-sds"
 BOOTSTRAP_VOLUME = "attestmesh-bootstrap"
 TOKEN_VOLUME = "attestmesh-token"  # noqa: S105 (a volume name)
+TRUST_VOLUME = "attestmesh-trust-bundle"
+SIM_VOLUME = "attestmesh-sim-platform"
 HUGEPAGES_VOLUME = "attestmesh-hugepages"
-VOLUME_NAMES = (SDS_VOLUME, BOOTSTRAP_VOLUME, TOKEN_VOLUME, HUGEPAGES_VOLUME)
+VOLUME_NAMES = (
+    SDS_VOLUME, BOOTSTRAP_VOLUME, TOKEN_VOLUME, TRUST_VOLUME, SIM_VOLUME, HUGEPAGES_VOLUME
+)  # fmt: skip
 
+# The mesh root bundle: the control plane keeps this ConfigMap in every namespace with injected
+# pods (attestmesh.kube_mode); the agent verifies the attestation API with it and Envoy the xDS
+# server. A pod whose namespace lacks it waits in ContainerCreating (the volume is not optional).
+TRUST_CONFIGMAP = "attestmesh-trust-bundle"
+TRUST_KEY = "root.pem"
+TRUST_DIR = "/etc/attestmesh/trust"
+TRUST_BUNDLE = f"{TRUST_DIR}/{TRUST_KEY}"
 SDS_DIR = "/var/run/attestmesh"
 SDS_SOCKET = f"{SDS_DIR}/sds.sock"
 BOOTSTRAP_DIR = "/etc/attestmesh/envoy"
@@ -90,6 +107,10 @@ BOOTSTRAP_FILE = f"{BOOTSTRAP_DIR}/bootstrap.json"
 TOKEN_DIR = "/var/run/secrets/attestmesh"  # noqa: S105 (a path)
 TOKEN_PATH = f"{TOKEN_DIR}/token"
 TOKEN_AUDIENCE = "attestmesh"  # noqa: S105 (an audience)
+SIM_DIR = "/etc/attestmesh/sim"
+# The workload (registration) name and Envoy node id, ``xds.kube.workload_name``: the kubelet
+# expands $(VAR) in command and args from the container's env (POD_NAMESPACE, POD_NAME).
+WORKLOAD_REF = "$(POD_NAMESPACE)/$(POD_NAME)"
 
 NITRO_ENCLAVES = "aws.ec2.nitro/nitro_enclaves"
 NITRO_ENCLAVE_CPUS = "aws.ec2.nitro/nitro_enclaves_cpus"
@@ -99,24 +120,49 @@ SGX_EPC = "sgx.intel.com/epc"
 SGX_ENCLAVE = "sgx.intel.com/enclave"
 
 INJECTABLE_TEES = (Tee.SIM, Tee.NITRO, Tee.SEV_SNP, Tee.TDX, Tee.SGX)
+# The pod's TEE -> ``attestmesh agent --tee``: TDX evidence comes through configfs-tsm.
+AGENT_TEE: Mapping[Tee, str] = {
+    Tee.SIM: "sim",
+    Tee.NITRO: "nitro",
+    Tee.SEV_SNP: "sev-snp",
+    Tee.TDX: "tsm",
+    Tee.SGX: "sgx",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SimInjection:
+    """Enables ``attestmesh.dev/tee: sim`` (test and development clusters only: a simulated
+    platform proves nothing). The agent reads the simulated platform's private key from the
+    Secret ``secret`` (key ``key``) in the pod's namespace and reports ``measurement``."""
+
+    measurement: str  # 96 hex characters
+    secret: str = "attestmesh-sim-platform"  # noqa: S105 (a Secret name)
+    key: str = "platform-key.pem"
 
 
 @dataclass(frozen=True, slots=True)
 class InjectConfig:
-    """What the injector adds. Frozen; built once in main() from settings."""
+    """What the injector adds. Frozen; built once in main() from settings (the trust domain is
+    filled in by Kubernetes mode from the running control plane)."""
 
     agent_image: str = "ghcr.io/attestmesh/attestmesh:0.1.0"
     envoy_image: str = "envoyproxy/envoy:v1.36.2"
     control_plane_url: str = "https://attestmesh.attestmesh-system.svc:8443"
     xds_address: str = "attestmesh.attestmesh-system.svc:18000"
     control_plane_namespace: str = "attestmesh-system"
-    default_tee: Tee = Tee.SIM
-    envoy_admin_port: int = 15000
-    inbound_port: int = 15006
+    trust_domain: str = "attestmesh.local"
+    # None: a pod must choose its TEE (annotation or namespace label); it is refused otherwise.
+    default_tee: Tee | None = None
+    # None: ``sim`` is refused, so a production cluster cannot be given simulated attestation.
+    sim: SimInjection | None = None
+    envoy_admin_port: int = 15000  # on 127.0.0.1 only (see _envoy_container)
+    inbound_port: int = DEFAULT_INBOUND_PORT  # unless the pod's annotation names one
+    # Agent and Envoy share the SDS socket (mode 0600): one uid for every injected container.
+    sidecar_uid: int = 65532
     token_expiration_seconds: int = 3600
-    bootstrap_command: tuple[str, ...] = ("attestmesh", "bootstrap")
-    agent_command: tuple[str, ...] = ("attestmesh", "agent")
-    agent_ready_command: tuple[str, ...] = ("attestmesh", "agent", "--check-socket")
+    attestmesh_command: tuple[str, ...] = ("attestmesh",)
+    envoy_command: tuple[str, ...] = ("envoy",)
     # nitro
     nitro_enclaves: int = 1
     nitro_enclave_cpus: int = 2
@@ -137,6 +183,9 @@ class InjectConfig:
         default_factory=lambda: {"feature.node.kubernetes.io/cpu-security.sgx.enabled": "true"}
     )
 
+    def allowed_tees(self) -> tuple[Tee, ...]:
+        return tuple(t for t in INJECTABLE_TEES if t is not Tee.SIM or self.sim is not None)
+
 
 class Decision(enum.StrEnum):
     """Why the injector answered as it did (bounded: usable as a metric label)."""
@@ -148,12 +197,23 @@ class Decision(enum.StrEnum):
     CONTROL_PLANE = "control_plane"
     HOST_NETWORK = "host_network"
     NAME_CONFLICT = "name_conflict"
+    NO_TEE = "no_tee"
     UNKNOWN_TEE = "unknown_tee"
+    TEE_DISABLED = "tee_disabled"
+    NO_APP_PORT = "no_app_port"
     INVALID_POD = "invalid_pod"
 
 
 _DENIALS = frozenset(
-    {Decision.HOST_NETWORK, Decision.NAME_CONFLICT, Decision.UNKNOWN_TEE, Decision.INVALID_POD}
+    {
+        Decision.HOST_NETWORK,
+        Decision.NAME_CONFLICT,
+        Decision.NO_TEE,
+        Decision.UNKNOWN_TEE,
+        Decision.TEE_DISABLED,
+        Decision.NO_APP_PORT,
+        Decision.INVALID_POD,
+    }
 )
 
 
@@ -218,8 +278,8 @@ def _names(items: Any) -> set[str]:
 def _select_tee(
     annotations: Mapping[str, Any], ns_labels: Mapping[str, str], cfg: InjectConfig
 ) -> str:
-    raw = annotations.get(ANNOTATION_TEE) or ns_labels.get(LABEL_TEE) or cfg.default_tee.value
-    return str(raw)
+    default = cfg.default_tee.value if cfg.default_tee is not None else ""
+    return str(annotations.get(ANNOTATION_TEE) or ns_labels.get(LABEL_TEE) or default)
 
 
 def _affinity_for(labels: Mapping[str, str]) -> dict[str, Any]:
@@ -258,22 +318,81 @@ def _merge_required_affinity(spec: dict[str, Any], labels: Mapping[str, str]) ->
                 exprs.append(expr)
 
 
-def _agent_container(pod: Mapping[str, Any], tee: Tee, cfg: InjectConfig) -> dict[str, Any]:
-    spec = pod.get("spec", {})
-    sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
-    env = [
-        {"name": "ATTESTMESH_TEE", "value": tee.value},
-        {"name": "ATTESTMESH_CONTROL_PLANE", "value": cfg.control_plane_url},
-        {"name": "ATTESTMESH_SDS_SOCKET", "value": SDS_SOCKET},
-        {"name": "ATTESTMESH_TOKEN_PATH", "value": TOKEN_PATH},
-        {"name": "ATTESTMESH_SERVICE_ACCOUNT", "value": str(sa)},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+def _security_context(cfg: InjectConfig) -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": cfg.sidecar_uid,
+        "runAsGroup": cfg.sidecar_uid,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+_POD_ENV = [
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+]
+_TRUST_MOUNT = {"name": TRUST_VOLUME, "mountPath": TRUST_DIR, "readOnly": True}
+
+
+def agent_command(tee: Tee, cfg: InjectConfig) -> list[str]:
+    """``attestmesh agent`` as the injected agent runs it ($(VAR)s expanded by the kubelet)."""
+    cmd = [
+        *cfg.attestmesh_command,
+        "agent",
+        "--control-plane",
+        cfg.control_plane_url,
+        "--workload",
+        WORKLOAD_REF,
+        "--ca-bundle",
+        TRUST_BUNDLE,
+        "--sds-socket",
+        SDS_SOCKET,
+        "--token-file",
+        TOKEN_PATH,
+        "--tee",
+        AGENT_TEE[tee],
     ]
+    if tee is Tee.SIM and cfg.sim is not None:
+        key = f"{SIM_DIR}/{cfg.sim.key}"
+        cmd += ["--sim-platform-key", key, "--sim-measurement", cfg.sim.measurement]
+    return cmd
+
+
+def agent_check_command(cfg: InjectConfig) -> list[str]:
+    """The agent's startup probe: the SDS socket serves a currently valid certificate."""
+    return [*cfg.attestmesh_command, "agent", "--check", "--sds-socket", SDS_SOCKET]
+
+
+def bootstrap_command(cfg: InjectConfig) -> list[str]:
+    """``attestmesh bootstrap`` as the init container runs it: node id = workload name, mutual
+    TLS to the control plane verified with the mounted trust bundle."""
+    return [
+        *cfg.attestmesh_command,
+        "bootstrap",
+        "--node",
+        WORKLOAD_REF,
+        "--xds",
+        cfg.xds_address,
+        "--sds-socket",
+        SDS_SOCKET,
+        "--admin-port",
+        str(cfg.envoy_admin_port),
+        "--xds-ca",
+        TRUST_BUNDLE,
+        "--trust-domain",
+        cfg.trust_domain,
+        "-o",
+        BOOTSTRAP_FILE,
+    ]
+
+
+def _agent_container(tee: Tee, cfg: InjectConfig) -> dict[str, Any]:
     mounts = [
         {"name": SDS_VOLUME, "mountPath": SDS_DIR},
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+        dict(_TRUST_MOUNT),
     ]
     requests: dict[str, str] = {"cpu": "50m", "memory": "64Mi"}
     limits: dict[str, str] = {"memory": "128Mi"}
@@ -290,89 +409,76 @@ def _agent_container(pod: Mapping[str, Any], tee: Tee, cfg: InjectConfig) -> dic
         extended = {SGX_EPC: cfg.sgx_epc, SGX_ENCLAVE: "1"}
         requests = {**requests, **extended}
         limits = {**limits, **extended}
+    elif tee is Tee.SIM:
+        mounts.append({"name": SIM_VOLUME, "mountPath": SIM_DIR, "readOnly": True})
     return {
         "name": AGENT_CONTAINER,
         "image": cfg.agent_image,
-        "command": list(cfg.agent_command),
+        "command": agent_command(tee, cfg),
         "restartPolicy": "Always",
-        "env": env,
+        "env": copy.deepcopy(_POD_ENV),
         "volumeMounts": mounts,
         "resources": {"requests": requests, "limits": limits},
+        # Envoy (the next sidecar) starts only once this passes: it needs the certificate for
+        # its mutual-TLS xDS connection. An exec probe: the socket is private to the pod.
         "startupProbe": {
-            "exec": {"command": list(cfg.agent_ready_command)},
-            "periodSeconds": 1,
-            "failureThreshold": 120,
+            "exec": {"command": agent_check_command(cfg)},
+            "periodSeconds": 2,
+            "timeoutSeconds": 5,
+            "failureThreshold": 150,
         },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _security_context(cfg),
     }
 
 
-def _bootstrap_container(tee: Tee, cfg: InjectConfig) -> dict[str, Any]:
+def _bootstrap_container(cfg: InjectConfig) -> dict[str, Any]:
     return {
         "name": BOOTSTRAP_CONTAINER,
         "image": cfg.agent_image,
-        "command": [
-            *cfg.bootstrap_command,
-            "--out",
-            BOOTSTRAP_FILE,
-            "--xds-address",
-            cfg.xds_address,
-            "--sds-socket",
-            SDS_SOCKET,
-            "--admin-port",
-            str(cfg.envoy_admin_port),
-            "--inbound-port",
-            str(cfg.inbound_port),
-            "--tee",
-            tee.value,
+        "command": bootstrap_command(cfg),
+        "env": copy.deepcopy(_POD_ENV),
+        "volumeMounts": [
+            {"name": BOOTSTRAP_VOLUME, "mountPath": BOOTSTRAP_DIR},
+            dict(_TRUST_MOUNT),
         ],
-        "env": [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {
-                "name": "POD_NAMESPACE",
-                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-            },
-        ],
-        "volumeMounts": [{"name": BOOTSTRAP_VOLUME, "mountPath": BOOTSTRAP_DIR}],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _security_context(cfg),
     }
 
 
-def _envoy_container(cfg: InjectConfig) -> dict[str, Any]:
-    ready = {"httpGet": {"path": "/ready", "port": cfg.envoy_admin_port}}
+def _envoy_container(cfg: InjectConfig, inbound_port: int) -> dict[str, Any]:
+    # Envoy's admin API (config dump, /quitquitquit, runtime changes) stays on 127.0.0.1: the
+    # kubelet cannot reach it, so readiness is a TCP probe of the inbound mTLS listener. That
+    # listener exists only once Envoy holds the configuration from the control plane and the
+    # workload certificate from the agent (a listener waits for its SDS secret), i.e. when the
+    # proxy can serve the mesh. The probe opens and closes a TCP connection without a TLS
+    # handshake (counted by Envoy as a failed handshake, harmless).
+    ready = {"tcpSocket": {"port": inbound_port}}
     return {
         "name": ENVOY_CONTAINER,
         "image": cfg.envoy_image,
-        "command": ["envoy", "-c", BOOTSTRAP_FILE, "--drain-strategy", "immediate"],
+        "command": [
+            *cfg.envoy_command,
+            "-c",
+            BOOTSTRAP_FILE,
+            "--disable-hot-restart",
+            "--drain-strategy",
+            "immediate",
+        ],
         "restartPolicy": "Always",
-        "ports": [{"name": "mesh-inbound", "containerPort": cfg.inbound_port, "protocol": "TCP"}],
+        "ports": [{"name": "mesh-inbound", "containerPort": inbound_port, "protocol": "TCP"}],
         "volumeMounts": [
             {"name": SDS_VOLUME, "mountPath": SDS_DIR},
             {"name": BOOTSTRAP_VOLUME, "mountPath": BOOTSTRAP_DIR, "readOnly": True},
+            dict(_TRUST_MOUNT),  # the xDS cluster's trusted_ca, read by Envoy at run time
         ],
         "resources": {
             "requests": {"cpu": "100m", "memory": "128Mi"},
             "limits": {"memory": "512Mi"},
         },
-        "startupProbe": {**ready, "periodSeconds": 1, "failureThreshold": 120},
+        "startupProbe": {**ready, "periodSeconds": 1, "failureThreshold": 300},
         "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _security_context(cfg),
     }
 
 
@@ -394,13 +500,30 @@ def _volumes(tee: Tee, cfg: InjectConfig) -> list[dict[str, Any]]:
                 ]
             },
         },
+        {
+            "name": TRUST_VOLUME,
+            "configMap": {
+                "name": TRUST_CONFIGMAP,
+                "items": [{"key": TRUST_KEY, "path": TRUST_KEY}],
+            },
+        },
     ]
     if tee is Tee.NITRO:
         vols.append({"name": HUGEPAGES_VOLUME, "emptyDir": {"medium": "HugePages-1Gi"}})
+    elif tee is Tee.SIM and cfg.sim is not None:
+        vols.append(
+            {
+                "name": SIM_VOLUME,
+                "secret": {
+                    "secretName": cfg.sim.secret,
+                    "items": [{"key": cfg.sim.key, "path": cfg.sim.key}],
+                },
+            }
+        )
     return vols
 
 
-def _inject(pod: dict[str, Any], tee: Tee, cfg: InjectConfig) -> None:
+def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig) -> None:
     meta = pod.setdefault("metadata", {})
     spec = pod["spec"]
     annotations = meta.get("annotations")
@@ -408,11 +531,13 @@ def _inject(pod: dict[str, Any], tee: Tee, cfg: InjectConfig) -> None:
         annotations = meta["annotations"] = {}
     annotations[ANNOTATION_INJECTED] = "true"
     annotations[ANNOTATION_TEE] = tee.value
+    # written out so the registration (xds.kube.pod_ports) and the Envoy probe agree
+    annotations[ANNOTATION_INBOUND_PORT] = str(inbound_port)
     init = spec.get("initContainers") or []
     spec["initContainers"] = [
-        _bootstrap_container(tee, cfg),
-        _agent_container(pod, tee, cfg),
-        _envoy_container(cfg),
+        _bootstrap_container(cfg),
+        _agent_container(tee, cfg),
+        _envoy_container(cfg, inbound_port),
         *init,
     ]
     spec["volumes"] = [*(spec.get("volumes") or []), *_volumes(tee, cfg)]
@@ -476,22 +601,60 @@ def mutate(
             f"already used ({what})",
         )
     tee_name = _select_tee(annotations, ns_labels, config)
+    if not tee_name:
+        return MutationResult(
+            Decision.NO_TEE,
+            message=f"attestmesh cannot inject {who}: no TEE chosen; annotate the pod or label "
+            f"its namespace {ANNOTATION_TEE} (one of {_tee_list(config.allowed_tees())})",
+        )
     try:
         tee = Tee(tee_name)
     except ValueError:
         tee = None
     if tee not in INJECTABLE_TEES:
-        allowed = ", ".join(t.value for t in INJECTABLE_TEES)
         return MutationResult(
             Decision.UNKNOWN_TEE,
             message=f"attestmesh cannot inject {who}: {ANNOTATION_TEE}={tee_name!r} "
-            f"is not one of {allowed}",
+            f"is not one of {_tee_list(config.allowed_tees())}",
         )
     assert tee is not None
+    if tee not in config.allowed_tees():
+        return MutationResult(
+            Decision.TEE_DISABLED,
+            message=f"attestmesh cannot inject {who}: {ANNOTATION_TEE}={tee.value} is not "
+            "enabled in this cluster (simulated attestation is for test clusters only)",
+        )
+    raw_inbound = annotations.get(ANNOTATION_INBOUND_PORT)
+    inbound, app_port = pod_ports(pod)
+    if raw_inbound is None:
+        inbound = config.inbound_port
+    elif str(raw_inbound) != str(inbound):
+        return MutationResult(
+            Decision.INVALID_POD,
+            message=f"attestmesh cannot inject {who}: {ANNOTATION_INBOUND_PORT}="
+            f"{raw_inbound!r} is not a port (1-65535)",
+        )
+    if app_port is None:
+        return MutationResult(
+            Decision.NO_APP_PORT,
+            message=f"attestmesh cannot inject {who}: no application port; annotate "
+            f"{ANNOTATION_APP_PORT} or declare a containerPort (the sidecar forwards inbound "
+            "mesh traffic to it and could never become ready without it)",
+        )
+    if app_port == inbound or config.envoy_admin_port in (app_port, inbound):
+        return MutationResult(
+            Decision.INVALID_POD,
+            message=f"attestmesh cannot inject {who}: application port {app_port}, inbound "
+            f"port {inbound} and Envoy admin port {config.envoy_admin_port} must differ",
+        )
     mutated = copy.deepcopy(dict(pod))
-    _inject(mutated, tee, config)
+    _inject(mutated, tee, inbound, config)
     patch = tuple(build_patch(dict(pod), mutated))
     return MutationResult(Decision.INJECTED, patch, f"injected for {tee.value}", tee)
+
+
+def _tee_list(tees: tuple[Tee, ...]) -> str:
+    return ", ".join(t.value for t in tees)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,6 +794,10 @@ __all__ = [
     "InjectConfig",
     "MutationResult",
     "NamespaceLabels",
+    "SimInjection",
+    "agent_check_command",
+    "agent_command",
+    "bootstrap_command",
     "build_admission_response",
     "build_app",
     "build_patch",

@@ -217,6 +217,25 @@ def parse_node(obj: Mapping[str, Any]) -> NodeInfo | None:
     return NodeInfo(name, labels, taints)
 
 
+def pod_ports(pod: Mapping[str, Any]) -> tuple[int, int | None]:
+    """(inbound, app) ports a pod's Registration has: the inbound port from the
+    ``attestmesh.dev/inbound-port`` annotation, else ``DEFAULT_INBOUND_PORT``; the app port from
+    ``attestmesh.dev/app-port``, else the first declared containerPort, else None (such a pod
+    is not registered). The injector reads them the same way."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    ann = meta.get("annotations") or {}
+    inbound = _port(ann.get(ANNOTATION_INBOUND_PORT)) or DEFAULT_INBOUND_PORT
+    app_port = _port(ann.get(ANNOTATION_APP_PORT))
+    if app_port is None:
+        for c in spec.get("containers") or []:
+            ports = (c.get("ports") or []) if isinstance(c, Mapping) else []
+            first = ports[0] if ports else None
+            if isinstance(first, Mapping) and (app_port := _port(first.get("containerPort"))):
+                break
+    return inbound, app_port
+
+
 def registration_from_pod(
     pod: Mapping[str, Any],
     services: Iterable[ServiceSelector] = (),
@@ -239,13 +258,7 @@ def registration_from_pod(
     if not isinstance(name, str) or not name:
         return None
     labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
-    inbound = _port(ann.get(ANNOTATION_INBOUND_PORT)) or DEFAULT_INBOUND_PORT
-    app_port = _port(ann.get(ANNOTATION_APP_PORT))
-    if app_port is None:
-        for c in spec.get("containers") or []:
-            ports = c.get("ports") or []
-            if ports and (app_port := _port(ports[0].get("containerPort"))):
-                break
+    inbound, app_port = pod_ports(pod)
     if app_port is None:
         return None
     sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
@@ -868,6 +881,9 @@ class SourceCallbacks:
     # accepted version of its CR, server-set metadata dropped), for a consumer that parses
     # policies itself (``ControlPlane.set_policies``).
     on_policy_documents: Callable[[list[dict[str, Any]]], Awaitable[None]] | None = None
+    # A pod carrying the injected annotation was listed or changed (its namespace), whether or
+    # not it is registered yet: it may still wait for volumes (the trust bundle) to start.
+    on_injected_pod: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -1121,6 +1137,7 @@ class KubeSource:
         async with self._lock:
             seen: dict[str, tuple[Registration, dict[str, Any]]] = {}
             for item in items:
+                await self._injected_pod(item)
                 reg = self._derive(item)
                 if reg is not None:
                     seen[reg.name] = (reg, item)
@@ -1135,9 +1152,17 @@ class KubeSource:
             ns, pod = _key(obj)
             name = workload_name(ns, pod)
             reg = None if etype == "DELETED" else self._derive(obj)
+            if etype != "DELETED":
+                await self._injected_pod(obj)
             if reg is not None:
                 self._pod_objects[name] = obj
             await self._announce(name, reg)
+
+    async def _injected_pod(self, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        ann = meta.get("annotations") or {}
+        if self.cb.on_injected_pod is not None and ann.get(ANNOTATION_INJECTED) == "true":
+            await self.cb.on_injected_pod(str(meta.get("namespace") or "default"))
 
     async def _service_snapshot(self, items: list[dict[str, Any]]) -> None:
         async with self._lock:
@@ -1480,6 +1505,7 @@ __all__ = [
     "parse_outbound",
     "parse_service",
     "platform_failed",
+    "pod_ports",
     "reconcile",
     "registration_from_pod",
     "select_service",

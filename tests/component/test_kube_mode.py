@@ -32,9 +32,17 @@ from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
 from certs.policy import parse_policies
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
-from sidecar.inject import decode_patch
+from sidecar.inject import (
+    AGENT_CONTAINER,
+    BOOTSTRAP_CONTAINER,
+    TRUST_BUNDLE,
+    InjectConfig,
+    SimInjection,
+    decode_patch,
+)
 from tests.fakekube import FakeKube
-from tests.fakekube.server import ResourceType
+from tests.fakekube.server import CONFIGMAPS, ResourceType
+from tests.unit.inject.jsonpatch import apply_patch
 from tests.unit.xds.test_xds_build import endpoints
 from xds.build import Snapshot
 from xds.kube import (
@@ -156,7 +164,7 @@ async def seed(kube: FakeKube, *policies: dict[str, Any]) -> None:
 
 @pytest.fixture
 async def kube() -> AsyncIterator[FakeKube]:
-    async with FakeKube(bookmark_interval=0.1, extra_resources=(WEBHOOKS,)) as k:
+    async with FakeKube(bookmark_interval=0.1, extra_resources=(WEBHOOKS, CONFIGMAPS)) as k:
         yield k
 
 
@@ -226,6 +234,7 @@ async def control_plane(
             probe_port=free_port(),
             retry_period=timedelta(seconds=0.5),
             watch_timeout=5,
+            inject=InjectConfig(sim=SimInjection(GOOD.hex())),  # a test cluster
         ),
         metrics,
         state_dir=state_dir,
@@ -310,7 +319,11 @@ async def test_pod_attests_with_its_service_account_token(
                     "object": {
                         "apiVersion": "v1",
                         "kind": "Pod",
-                        "metadata": {"name": "web-1", "namespace": "shop"},
+                        "metadata": {
+                            "name": "web-1",
+                            "namespace": "shop",
+                            "annotations": {"attestmesh.dev/tee": "sim"},
+                        },
                         "spec": {
                             "serviceAccountName": "web",
                             "containers": [
@@ -330,6 +343,24 @@ async def test_pod_attests_with_its_service_account_token(
                 answer = (await resp.json())["response"]
             # injected because namespace shop is labelled attestmesh.dev/inject=enabled
             assert answer["allowed"] is True and decode_patch(answer)
+            injected = apply_patch(review["request"]["object"], decode_patch(answer))  # type: ignore[index]
+            inits = {c["name"]: c for c in injected["spec"]["initContainers"]}
+            boot = inits[BOOTSTRAP_CONTAINER]["command"]
+            # the xDS server's SPIFFE ID is checked in the running control plane's domain
+            assert boot[boot.index("--trust-domain") + 1] == cp.state.trust_domain
+            assert boot[boot.index("--xds-ca") + 1] == TRUST_BUNDLE
+            agent_cmd = inits[AGENT_CONTAINER]["command"]
+            assert agent_cmd[agent_cmd.index("--sim-measurement") + 1] == GOOD.hex()
+
+            # the bundle those paths mount is in the pod's namespace: the one the API serves
+            await plane.mode.drained()
+            async with session.get(
+                plane.url + "/v1/trust", ssl=client_ssl_context(cp.ca.bundle_pem)
+            ) as resp:
+                served = (await resp.json())["trust_bundle"]
+            cm = kube.get("configmaps", "shop", "attestmesh-trust-bundle")
+            assert cm is not None and cm["data"] == {"root.pem": served}
+            assert served.encode() == cp.ca.bundle_pem
 
             probe = f"http://127.0.0.1:{plane.mode.settings.probe_port}"
             async with session.get(probe + "/readyz") as resp:
@@ -485,6 +516,96 @@ async def test_only_the_leader_acts_every_replica_attests(
         obj = pod(kube)
         assert LABEL_QUARANTINED not in obj["metadata"]["labels"]  # a follower writes nothing
         assert events(kube, "Quarantined") == []
+
+
+def trust_cm(kube: FakeKube, namespace: str) -> dict[str, Any] | None:
+    return kube.get("configmaps", namespace, "attestmesh-trust-bundle")
+
+
+def configmap_writes(kube: FakeKube) -> list[tuple[str, str]]:
+    return [(m, p) for m, p, _ in kube.requests if m != "GET" and "/configmaps" in p]
+
+
+async def test_trust_bundle_configmap_follows_injected_pods_and_is_repaired(
+    kube: FakeKube, tmp_path: Path, sim_key: Path
+) -> None:
+    await seed(kube, policy_cr("web"))
+    await kube.put_object("namespaces", {"metadata": {"name": "pay"}})  # not labelled
+    await kube.put_object("namespaces", {"metadata": {"name": "quiet"}})
+    # someone's stale or forged bundle under our name: replaced, their other keys kept
+    await kube.put_object(
+        "configmaps",
+        {
+            "metadata": {"name": "attestmesh-trust-bundle", "namespace": "shop"},
+            "data": {"root.pem": "forged", "note": "kept"},
+        },
+    )
+    async with (
+        control_plane(kube, tmp_path / "a", sim_key, "cp-a") as plane,
+        control_plane(kube, tmp_path / "b", sim_key, "cp-b") as follower,
+    ):
+        bundle = plane.running.cp.ca.bundle_pem.decode()
+        await plane.mode.drained()
+        cm = trust_cm(kube, "shop")  # a labelled namespace, before any pod needs it
+        assert cm is not None and cm["data"] == {"root.pem": bundle, "note": "kept"}
+        assert cm["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "attestmesh"
+        assert trust_cm(kube, "pay") is None and trust_cm(kube, "quiet") is None
+        assert trust_cm(kube, "attestmesh-system") is None
+
+        # a pod opted in by annotation in an unlabelled namespace, not yet started (no IP: it
+        # waits for this very volume): the ConfigMap appears without a registration
+        pending = pod_obj("api-0")
+        pending["metadata"]["namespace"] = "pay"
+        del pending["status"]
+        await kube.put_object("pods", pending)
+        await eventually(lambda: trust_cm(kube, "pay") is not None)
+        cm = trust_cm(kube, "pay")
+        assert cm is not None and cm["data"] == {"root.pem": bundle}
+        assert "pay/api-0" not in plane.running.cp.state.workloads
+
+        # idempotent: pod churn and re-applies write nothing more
+        writes = configmap_writes(kube)
+        assert writes == [
+            ("PUT", "/api/v1/namespaces/shop/configmaps/attestmesh-trust-bundle"),
+            ("POST", "/api/v1/namespaces/pay/configmaps"),
+        ]
+        pending["metadata"]["labels"] = {"app": "api", "v": "2"}
+        await kube.put_object("pods", pending)
+        plane.mode.submit(Work(WorkKind.REAPPLY))
+        await plane.mode.drained()
+        assert configmap_writes(kube) == writes
+
+        # drift is repaired on the next re-apply: an edit, a deletion
+        edited = trust_cm(kube, "shop")
+        assert edited is not None
+        edited["data"]["root.pem"] = "edited"
+        await kube.put_object("configmaps", edited)
+        await kube.delete_object("configmaps", "pay", "attestmesh-trust-bundle")
+        plane.mode.submit(Work(WorkKind.REAPPLY))
+        await plane.mode.drained()
+        for ns in ("shop", "pay"):
+            cm = trust_cm(kube, ns)
+            assert cm is not None and cm["data"]["root.pem"] == bundle
+        # only the leader writes; it touches no other ConfigMap name
+        await follower.mode.drained()
+        assert not [w for w in follower.mode.completed if w.kind is WorkKind.TRUST_BUNDLE]
+        assert all(
+            p.endswith("/configmaps") or p.endswith("/configmaps/attestmesh-trust-bundle")
+            for _, p in configmap_writes(kube)
+        )
+        # a failed read is retried by the re-apply; a create that lost a race reads again
+        kube.fail("GET", "/namespaces/quiet/configmaps/attestmesh-trust-bundle", 503)
+        kube.fail("POST", "/namespaces/quiet/configmaps", 409)
+        await kube.put_object("namespaces", {"metadata": {"name": "quiet", "labels": {
+            "attestmesh.dev/inject": "enabled"}}})  # fmt: skip
+        await eventually(lambda: len(kube.fail_next) == 1)
+        await plane.mode.drained()
+        assert trust_cm(kube, "quiet") is None
+        plane.mode.submit(Work(WorkKind.REAPPLY))
+        await plane.mode.drained()
+        assert not kube.fail_next
+        cm = trust_cm(kube, "quiet")
+        assert cm is not None and cm["data"] == {"root.pem": bundle}
 
 
 LEDGER = "shop/ledger-0"

@@ -13,9 +13,11 @@ import pytest
 import trustme
 from prometheus_client import CollectorRegistry
 
+from certs.evidence.claims import Tee
 from sidecar.inject import (
     InjectConfig,
     NamespaceLabels,
+    SimInjection,
     build_app,
     decode_patch,
     start_webhook,
@@ -79,7 +81,9 @@ async def webhook() -> AsyncIterator[Webhook]:
     ca.configure_trust(client_ctx)
     registry = CollectorRegistry()
     namespaces = NamespaceLabels({"shop": {"attestmesh.dev/inject": "enabled"}})
-    app = build_app(InjectConfig(), namespaces, webhook_counter(registry))
+    # a test cluster: sim enabled and the default; production refuses it (test_production_...)
+    cfg = InjectConfig(default_tee=Tee.SIM, sim=SimInjection("a1" * 48))
+    app = build_app(cfg, namespaces, webhook_counter(registry))
     runner = await start_webhook(app, "127.0.0.1", 0, server_ctx)
     port = runner.addresses[0][1]
     connector = aiohttp.TCPConnector(ssl=client_ctx)
@@ -150,3 +154,33 @@ async def test_bad_requests_are_400(webhook: Webhook, raw: bytes) -> None:
     status, body = await webhook.post(None, raw=raw)
     assert status == 400 and body["error"]
     assert webhook.count("bad_request") == 1
+
+
+async def test_production_config_refuses_sim_over_https() -> None:
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    registry = CollectorRegistry()
+    namespaces = NamespaceLabels({"shop": {"attestmesh.dev/inject": "enabled"}})
+    runner = await start_webhook(
+        build_app(InjectConfig(), namespaces, webhook_counter(registry)),
+        "127.0.0.1",
+        0,
+        server_ctx,
+    )
+    try:
+        url = f"https://127.0.0.1:{runner.addresses[0][1]}/mutate"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_ctx)) as s:
+            for tee, decision in (("sim", "tee_disabled"), (None, "no_tee")):
+                obj = pod("web-0", **({"attestmesh.dev/tee": tee} if tee else {}))
+                async with s.post(url, json=review(obj, "u")) as resp:
+                    answer = (await resp.json())["response"]
+                assert answer["allowed"] is False and answer["status"]["code"] == 403
+                value = registry.get_sample_value(
+                    "attestmesh_webhook_requests_total", {"decision": decision}
+                )
+                assert value == 1.0
+    finally:
+        await runner.cleanup()

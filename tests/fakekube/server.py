@@ -77,6 +77,11 @@ RESOURCES = (
     ResourceType("attestmesh.dev", "v1alpha1", "meshpolicies", "MeshPolicy", True, True, False),
 )
 
+# Opt-in (``FakeKube(extra_resources=(CONFIGMAPS,))``): core/v1 ConfigMaps, no status
+# subresource and no metadata.generation, as on a real server. Not served by default so that
+# a test can still use them as a resource this server does not know.
+CONFIGMAPS = ResourceType("", "v1", "configmaps", "ConfigMap", True)
+
 # Strategic merge: list paths (list indexes dropped) -> merge key.
 MERGE_KEYS: dict[tuple[str, ...], str] = {
     ("spec", "containers"): "name",
@@ -816,6 +821,7 @@ class FakeKube:
 
 
 __all__ = [
+    "CONFIGMAPS",
     "RESOURCES",
     "ApiError",
     "FakeKube",

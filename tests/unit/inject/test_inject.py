@@ -23,6 +23,7 @@ from sidecar.inject import (
     AdmissionError,
     Decision,
     InjectConfig,
+    SimInjection,
     build_admission_response,
     build_patch,
     decode_patch,
@@ -31,7 +32,8 @@ from sidecar.inject import (
 )
 from tests.unit.inject.jsonpatch import PatchError, apply_patch
 
-CFG = InjectConfig()
+SIM = SimInjection(measurement="a1" * 48)
+CFG = InjectConfig(default_tee=Tee.SIM, sim=SIM)  # a test cluster: sim enabled, the default
 ENABLED = {"attestmesh.dev/inject": "enabled"}
 K8S_VERSION = "1.37"
 
@@ -89,7 +91,7 @@ def validate_pod(p: dict[str, Any]) -> None:
 def injected(p: dict[str, Any], ns_labels: dict[str, str] | None = None) -> dict[str, Any]:
     result = mutate(p, ns_labels if ns_labels is not None else ENABLED, CFG)
     assert result.decision is Decision.INJECTED, result.message
-    out = apply_patch(p, [dict(op) for op in result.patch])
+    out: dict[str, Any] = apply_patch(p, [dict(op) for op in result.patch])
     validate_pod(out)
     # idempotent: a second pass yields nothing
     again = mutate(out, ns_labels if ns_labels is not None else ENABLED, CFG)
@@ -101,7 +103,8 @@ def injected(p: dict[str, Any], ns_labels: dict[str, str] | None = None) -> dict
 def container(p: dict[str, Any], name: str) -> dict[str, Any]:
     for c in [*p["spec"].get("initContainers", []), *p["spec"]["containers"]]:
         if c["name"] == name:
-            return c
+            found: dict[str, Any] = c
+            return found
     raise AssertionError(f"no container {name}")
 
 
@@ -122,23 +125,38 @@ def test_plain_sim_injection_shape() -> None:
     assert spec["initContainers"][1]["restartPolicy"] == "Always"
     assert spec["initContainers"][2]["restartPolicy"] == "Always"
     envoy = container(out, ENVOY_CONTAINER)
-    assert envoy["startupProbe"]["httpGet"] == {"path": "/ready", "port": CFG.envoy_admin_port}
-    assert envoy["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # admin stays on loopback: the kubelet probes the inbound listener over TCP
+    assert envoy["startupProbe"]["tcpSocket"] == {"port": 15006}
+    assert envoy["readinessProbe"]["tcpSocket"] == {"port": 15006}
+    assert "httpGet" not in json.dumps(out)
+    assert envoy["ports"][0]["containerPort"] == 15006
     vols = {v["name"]: v for v in spec["volumes"]}
     assert vols["attestmesh-sds"]["emptyDir"]["medium"] == "Memory"
     token = vols["attestmesh-token"]["projected"]["sources"][0]["serviceAccountToken"]
     assert token == {"audience": "attestmesh", "expirationSeconds": 3600, "path": "token"}
+    assert vols["attestmesh-trust-bundle"]["configMap"] == {
+        "name": "attestmesh-trust-bundle",
+        "items": [{"key": "root.pem", "path": "root.pem"}],
+    }
+    assert vols["attestmesh-sim-platform"]["secret"]["secretName"] == SIM.secret
     agent = container(out, AGENT_CONTAINER)
     mounts = {m["name"]: m for m in agent["volumeMounts"]}
     assert mounts["attestmesh-token"]["readOnly"] is True
+    assert mounts["attestmesh-sim-platform"]["readOnly"] is True
     assert "attestmesh-sds" in mounts
     assert {"name": "attestmesh-sds", "mountPath": "/var/run/attestmesh"} in envoy["volumeMounts"]
-    assert {"name": "ATTESTMESH_SERVICE_ACCOUNT", "value": "web"} in agent["env"]
     bootstrap = container(out, BOOTSTRAP_CONTAINER)
     assert bootstrap["command"][:2] == ["attestmesh", "bootstrap"]
+    trust = {"name": "attestmesh-trust-bundle", "mountPath": "/etc/attestmesh/trust",
+             "readOnly": True}  # fmt: skip
+    for c in (bootstrap, agent, envoy):  # the bundle, read-only, where the commands name it
+        assert trust in c["volumeMounts"]
+        sc = c["securityContext"]  # one uid: Envoy may connect to the agent's 0600 socket
+        assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (65532, 65532, True)
     ann = out["metadata"]["annotations"]
     assert ann[ANNOTATION_INJECTED] == "true"
     assert ann[ANNOTATION_TEE] == "sim"
+    assert ann["attestmesh.dev/inbound-port"] == "15006"
     assert ann["example.com/team"] == "payments"
     # the application container is untouched; nothing TEE-specific for sim
     assert out["spec"]["containers"] == src["spec"]["containers"]
@@ -350,6 +368,48 @@ def test_default_tee_comes_from_config() -> None:
     cfg = InjectConfig(default_tee=Tee.SEV_SNP)
     result = mutate(pod(), ENABLED, cfg)
     assert result.tee is Tee.SEV_SNP
+
+
+def test_production_defaults_refuse_sim_and_a_pod_without_a_tee() -> None:
+    prod = InjectConfig()
+    assert prod.sim is None and prod.default_tee is None
+    result = mutate(pod(), ENABLED, prod)
+    assert result.decision is Decision.NO_TEE and not result.allowed
+    assert "attestmesh.dev/tee" in result.message and "sim" not in result.message
+    p = pod()
+    p["metadata"]["annotations"][ANNOTATION_TEE] = "sim"
+    result = mutate(p, ENABLED, prod)
+    assert result.decision is Decision.TEE_DISABLED and not result.allowed
+    assert "test clusters only" in result.message
+    # a namespace label cannot turn it on either
+    result = mutate(pod(), {**ENABLED, "attestmesh.dev/tee": "sim"}, prod)
+    assert result.decision is Decision.TEE_DISABLED
+    assert mutate(p, ENABLED, CFG).decision is Decision.INJECTED
+
+
+def test_inbound_port_annotation_is_honoured_and_app_port_required() -> None:
+    p = pod()
+    p["metadata"]["annotations"]["attestmesh.dev/inbound-port"] = "16000"
+    out = injected(p)
+    envoy = container(out, ENVOY_CONTAINER)
+    assert envoy["startupProbe"]["tcpSocket"] == {"port": 16000}
+    assert envoy["ports"][0]["containerPort"] == 16000
+    assert out["metadata"]["annotations"]["attestmesh.dev/inbound-port"] == "16000"
+    for bad in ("0", "http", "70000"):
+        q = pod()
+        q["metadata"]["annotations"]["attestmesh.dev/inbound-port"] = bad
+        result = mutate(q, ENABLED, CFG)
+        assert result.decision is Decision.INVALID_POD and "is not a port" in result.message
+    clash = pod()
+    clash["metadata"]["annotations"]["attestmesh.dev/app-port"] = "15006"
+    assert "must differ" in mutate(clash, ENABLED, CFG).message
+    portless = pod()
+    del portless["spec"]["containers"][0]["ports"]
+    result = mutate(portless, ENABLED, CFG)
+    assert result.decision is Decision.NO_APP_PORT and not result.allowed
+    assert "attestmesh.dev/app-port" in result.message
+    portless["metadata"]["annotations"]["attestmesh.dev/app-port"] = "9000"
+    injected(portless)
 
 
 @pytest.mark.parametrize("bad", [None, [], {"metadata": {}}, {"spec": "x"}, "pod"])
