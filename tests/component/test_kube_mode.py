@@ -526,6 +526,32 @@ def configmap_writes(kube: FakeKube) -> list[tuple[str, str]]:
     return [(m, p) for m, p, _ in kube.requests if m != "GET" and "/configmaps" in p]
 
 
+def rbac_allows(verb: str, resource: str, name: str | None) -> bool:
+    """Whether manifests/base/rbac.yaml's ClusterRole grants this core-group request."""
+    root = Path(__file__).resolve().parents[2]
+    docs = yaml.safe_load_all((root / "manifests" / "base" / "rbac.yaml").read_text())
+    (role,) = [d for d in docs if d and d["kind"] == "ClusterRole"]
+    return any(
+        "" in r["apiGroups"]
+        and resource in r["resources"]
+        and verb in r["verbs"]
+        and ("resourceNames" not in r or name in r["resourceNames"])
+        for r in role["rules"]
+    )
+
+
+def configmap_requests_are_allowed(kube: FakeKube) -> None:
+    verbs = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch"}
+    seen = [(m, p.split("?")[0]) for m, p, _ in kube.requests if "/configmaps" in p]
+    assert seen
+    for method, path in seen:
+        name = None if path.endswith("/configmaps") else path.rsplit("/", 1)[1]
+        assert rbac_allows(verbs[method], "configmaps", name), (method, path)
+    assert not rbac_allows("get", "configmaps", "some-app-config")
+    assert not rbac_allows("update", "configmaps", "some-app-config")
+    assert not rbac_allows("list", "configmaps", None)
+
+
 async def test_trust_bundle_configmap_follows_injected_pods_and_is_repaired(
     kube: FakeKube, tmp_path: Path, sim_key: Path
 ) -> None:
@@ -606,6 +632,7 @@ async def test_trust_bundle_configmap_follows_injected_pods_and_is_repaired(
         assert not kube.fail_next
         cm = trust_cm(kube, "quiet")
         assert cm is not None and cm["data"] == {"root.pem": bundle}
+    configmap_requests_are_allowed(kube)  # every call the manifests' RBAC permits
 
 
 LEDGER = "shop/ledger-0"
