@@ -1,18 +1,40 @@
 """Sidecar injection: a pure ``mutate(pod)`` step and a thin aiohttp AdmissionReview app.
 
-What an injected pod looks like (``initContainers`` in this order, before any of the pod's own):
+What an injected pod looks like (``initContainers`` in this order, before any of the pod's own).
+Every command is the real ``attestmesh`` CLI (``tests/unit/inject/test_injected_commands.py``
+parses them); ``$(POD_NAMESPACE)/$(POD_NAME)`` is expanded by the kubelet from the container's
+env and is the workload's registration name (``xds.kube.workload_name``) and Envoy node id.
 
-1. ``attestmesh-bootstrap``: a plain init container that runs ``attestmesh bootstrap`` and writes
-   the Envoy bootstrap into the ``attestmesh-bootstrap`` volume (emptyDir, medium Memory). It
-   runs to completion before anything else starts, so Envoy never starts without its bootstrap.
-2. ``attestmesh-agent``: a native sidecar (``restartPolicy: Always``). It holds the workload key,
-   attests, and serves SDS on a Unix socket in the ``attestmesh-sds`` volume (emptyDir, medium
-   Memory). It reads the pod's projected service-account token (audience ``attestmesh``,
-   ``expirationSeconds: 3600``) from ``attestmesh-token``. Its startup probe waits for the SDS
-   socket, so Envoy starts only once the agent serves it.
-3. ``attestmesh-envoy``: a native sidecar with a startup probe and a readiness probe on the Envoy
-   admin ``/ready``. The kubelet starts the application containers only after this startup probe
-   passes, so the application starts after its proxy is ready.
+1. ``attestmesh-bootstrap``: a plain init container running ``attestmesh bootstrap --node
+   $(POD_NAMESPACE)/$(POD_NAME) --xds <xds> --sds-socket <socket> --admin-port <port> --xds-ca
+   /etc/attestmesh/trust/root.pem --trust-domain <td> -o /etc/attestmesh/envoy/bootstrap.json``
+   into the ``attestmesh-bootstrap`` volume (emptyDir, medium Memory). It runs to completion
+   before anything else starts, so Envoy never starts without its bootstrap.
+2. ``attestmesh-agent``: a native sidecar (``restartPolicy: Always``) running ``attestmesh agent
+   --control-plane <url> --workload $(POD_NAMESPACE)/$(POD_NAME) --ca-bundle <root.pem>
+   --sds-socket <socket> --token-file <token> --tee <tee>``. It holds the workload key, attests,
+   and serves SDS on a Unix socket (mode 0600) in the ``attestmesh-sds`` volume. It presents
+   the pod's projected service-account token (audience ``attestmesh``, ``expirationSeconds:
+   3600``). Its startup probe, ``attestmesh agent --check --sds-socket <socket>``, passes once
+   the socket serves a currently valid certificate, so Envoy starts with the certificate its
+   mutual-TLS xDS connection presents.
+3. ``attestmesh-envoy``: a native sidecar. Its admin API stays on 127.0.0.1 (it can dump the
+   configuration, stop the proxy, change runtime values: never on the pod network). The kubelet
+   instead probes the inbound mTLS listener with TCP (startup and readiness); that listener
+   exists only once Envoy holds its configuration from the control plane and its certificate
+   from the agent. The kubelet starts the application containers only after this startup
+   probe passes, so the application starts after its proxy can serve the mesh.
+
+The mesh root bundle comes from the ConfigMap ``attestmesh-trust-bundle`` (key ``root.pem``),
+mounted read-only at ``/etc/attestmesh/trust`` into all three; the control plane keeps it in
+every namespace with injected pods (``attestmesh.kube_mode``). The volume is not optional: a pod
+whose namespace lacks it waits in ContainerCreating instead of trusting nothing or anything.
+All three run as one non-root uid (``InjectConfig.sidecar_uid``) so that Envoy may connect to
+the agent's 0600 socket. The inbound port is the pod's ``attestmesh.dev/inbound-port``
+annotation, else ``InjectConfig.inbound_port``, written back onto the pod so the registration
+(``xds.kube.pod_ports``) and the probes agree; a pod without an application port
+(``attestmesh.dev/app-port`` or a containerPort) is refused: it would never be registered and
+its proxy would never become ready.
 
 Per TEE (pod annotation ``attestmesh.dev/tee``, else the namespace label of the same name, else
 ``InjectConfig.default_tee``):
@@ -31,14 +53,22 @@ Per TEE (pod annotation ``attestmesh.dev/tee``, else the namespace label of the 
 - ``sgx``: the agent container (run under Gramine inside the enclave) requests and limits
   ``sgx.intel.com/epc`` and ``sgx.intel.com/enclave`` (Intel's SGX device plugin) and the pod
   requires NFD's ``feature.node.kubernetes.io/cpu-security.sgx.enabled=true``.
-- ``sim``: nothing extra.
+- ``sim``: only when ``InjectConfig.sim`` is set (test and development clusters); otherwise
+  refused, and no namespace label or annotation can turn it on. The agent gets
+  ``--sim-platform-key`` from the Secret ``InjectConfig.sim.secret`` in the pod's namespace
+  (mounted read-only) and ``--sim-measurement`` from the configuration.
+
+The agent's ``--tee`` is the pod's TEE, except ``tdx``, whose evidence comes through
+configfs-tsm (``--tee tsm``). With no TEE chosen (annotation, namespace label, or
+``InjectConfig.default_tee``, None by default) the pod is refused.
 
 Opt-out: pod annotation ``attestmesh.dev/inject: "false"`` or pod label
 ``attestmesh.dev/inject: disabled`` (the label is what the webhook's objectSelector can see).
 
 Decisions (``MutationResult``): opted out, not opted in, already injected, or the control-plane
 namespace -> allowed with an empty patch. A pod the injector cannot make correct (host network,
-a container or volume name already used by the injector, an unknown TEE) -> denied with a clear
+a container or volume name already used by the injector, no TEE, an unknown or disabled TEE, no
+application port, an invalid inbound port) -> denied with a clear
 message: an opted-in workload silently running without its sidecar would be unattested, so it
 is refused rather than passed unchanged. (What happens when the webhook is unreachable is the
 MutatingWebhookConfiguration's ``failurePolicy``.)
