@@ -63,15 +63,15 @@ class ParsedCertificate:
     """A certificate every part of which this project reads was decoded once, without error.
 
     Built only by ``parse_certificate``/``parse_certificates``: after that, reading these fields
-    (or the same attributes of ``cert``) cannot raise or warn.
+    (or the same attributes of ``cert``) cannot raise or warn. One exception: with
+    ``allow_nonpositive_serial`` the tolerated warning recurs on ``cert.serial_number``, so read
+    ``serial_number`` here instead.
     """
 
     cert: x509.Certificate
     der: bytes
     subject: x509.Name
     issuer: x509.Name
-    subject_text: str
-    issuer_text: str
     serial_number: int
     public_key: CertificatePublicKeyTypes
     signature_hash: hashes.HashAlgorithm | None
@@ -79,6 +79,15 @@ class ParsedCertificate:
     extensions: x509.Extensions
     not_before: datetime
     not_after: datetime
+
+    @property
+    def subject_text(self) -> str:
+        """RFC 4514 text of the (already decoded) subject: formatting only, cannot fail."""
+        return self.subject.rfc4514_string()
+
+    @property
+    def issuer_text(self) -> str:
+        return self.issuer.rfc4514_string()
 
     @property
     def common_name(self) -> str:
@@ -178,8 +187,6 @@ def _inspect(cert: x509.Certificate) -> ParsedCertificate:
         der=der,
         subject=subject,
         issuer=issuer,
-        subject_text=subject.rfc4514_string(),
-        issuer_text=issuer.rfc4514_string(),
         serial_number=cert.serial_number,
         public_key=cert.public_key(),
         signature_hash=cert.signature_hash_algorithm,
