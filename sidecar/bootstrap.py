@@ -6,6 +6,7 @@ the workload certificate arrives from the sidecar's own SDS socket.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,14 @@ class XdsTls:
 
     ca_bundle: Path
     server_spiffe_id: str
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _xds_transport_socket(tls: XdsTls) -> dict[str, Any]:
@@ -108,6 +117,9 @@ def build_bootstrap(
         XDS_CLUSTER, {"socket_address": {"address": xds.host, "port_value": xds.port}},
         connect_timeout_s,
     )  # fmt: skip
+    if not _is_ip(xds.host):  # e.g. the in-cluster Service name: resolve it, keep resolving
+        xds_cluster["type"] = "STRICT_DNS"
+        xds_cluster["dns_lookup_family"] = "V4_PREFERRED"
     if xds_tls is not None:
         xds_cluster["transport_socket"] = _xds_transport_socket(xds_tls)
     return {

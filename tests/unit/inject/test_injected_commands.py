@@ -269,11 +269,6 @@ def test_injected_bootstrap_passes_envoy_validate_with_an_ip_xds_address(
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sidecar/bootstrap.py gives the xDS cluster type STATIC, which Envoy refuses for a "
-    "DNS name (the in-cluster Service name): needs STRICT_DNS/LOGICAL_DNS for host names",
-)
 def test_injected_bootstrap_passes_envoy_validate_with_the_service_name(
     tmp_path: Path,
 ) -> None:
