@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import secrets
 import socket
+import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -152,6 +153,58 @@ async def tiny_app(name: str, port: int) -> AsyncIterator[None]:
         await runner.cleanup()
 
 
+@dataclass
+class Sidecar:
+    agent: Agent
+    source: SimEvidenceSource
+    envoy: EnvoyProcess
+
+
+@contextlib.asynccontextmanager
+async def sidecar(
+    name: str,
+    settings: ControlPlaneSettings,
+    ports: Mapping[str, int],
+    root: Path,
+    platform: ec.EllipticCurvePrivateKey,
+    token: str,
+    tls: ssl.SSLContext,
+) -> AsyncIterator[Sidecar]:
+    """One workload on loopback: its tiny app, local SDS on a Unix socket, agent (simulated
+    TEE) and Envoy (not started yet). Everything is stopped and removed on exit."""
+    sock = root / f"sds-{name}.sock"
+    async with tiny_app(name, ports["app"]):
+        sds = LocalSds()
+        server = await start_sds(sds, sock)
+        source = SimEvidenceSource(platform, GOOD)
+        agent = Agent(
+            url=f"https://127.0.0.1:{settings.api_port}",
+            workload=name,
+            source=source,
+            sink=sds,
+            ssl_context=tls,
+            token=lambda: token,
+        )
+        boot = build_bootstrap(
+            name,
+            ControlPlaneAddress("127.0.0.1", settings.xds_port),
+            sock,
+            ports["admin"],
+            xds_tls=XdsTls(
+                settings.state_dir / "ca" / "root.pem",
+                control_plane_spiffe_id(settings.trust_domain),
+            ),
+        )
+        envoy = EnvoyProcess(name, boot, root / "envoy", ports["admin"])
+        try:
+            yield Sidecar(agent, source, envoy)
+        finally:
+            await envoy.stop()
+            server.close()
+            await server.wait_closed()
+            sock.unlink(missing_ok=True)
+
+
 async def call(session: aiohttp.ClientSession, port: int) -> tuple[int, str]:
     """One request through a workload's outbound listener; (0, error) when refused."""
     try:
@@ -220,42 +273,22 @@ async def _demo(root: Path, hold: bool) -> DemoResult:
     timings: dict[str, float] = {}
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-    envoys: list[EnvoyProcess] = []
-    sds_servers = []
     agent_stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         cp_task = asyncio.create_task(run_control_plane(settings, stop, ready))
         try:
             running = await asyncio.wait_for(asyncio.shield(ready), 30)
             tl.mark("control plane up (CA, SQLite state, attestation API, ADS)")
-            sources: dict[str, SimEvidenceSource] = {}
-            agents: dict[str, Agent] = {}
             tls = client_ssl_context(running.bundle_pem)
-            for n in NAMES:
-                await stack.enter_async_context(tiny_app(n, ports[n]["app"]))
-                sds = LocalSds()
-                sock = root / f"sds-{n}.sock"
-                sds_servers.append(await start_sds(sds, sock))
-                sources[n] = SimEvidenceSource(platform, GOOD)
-                agents[n] = Agent(
-                    url=f"https://127.0.0.1:{settings.api_port}",
-                    workload=n,
-                    source=sources[n],
-                    sink=sds,
-                    ssl_context=tls,
-                    token=lambda t=tokens[n]: t,  # type: ignore[misc]
+            sidecars = {
+                n: await stack.enter_async_context(
+                    sidecar(n, settings, ports[n], root, platform, tokens[n], tls)
                 )
-                boot = build_bootstrap(
-                    n,
-                    ControlPlaneAddress("127.0.0.1", settings.xds_port),
-                    sock,
-                    ports[n]["admin"],
-                    xds_tls=XdsTls(
-                        settings.state_dir / "ca" / "root.pem",
-                        control_plane_spiffe_id(settings.trust_domain),
-                    ),
-                )
-                envoys.append(EnvoyProcess(n, boot, root / "envoy", ports[n]["admin"]))
+                for n in NAMES
+            }
+            agents = {n: sc.agent for n, sc in sidecars.items()}
+            sources = {n: sc.source for n, sc in sidecars.items()}
+            envoys = [sc.envoy for sc in sidecars.values()]
             async with aiohttp.ClientSession() as session:
                 for n in NAMES:
                     t0 = time.perf_counter()
@@ -362,13 +395,7 @@ async def _demo(root: Path, hold: bool) -> DemoResult:
             await asyncio.gather(*agent_tasks, return_exceptions=True)
         finally:
             agent_stop.set()
-            for e in envoys:
-                await e.stop()
-            for s in sds_servers:
-                s.close()
-                await s.wait_closed()
-            for n in NAMES:
-                (root / f"sds-{n}.sock").unlink(missing_ok=True)
+            await stack.aclose()  # sidecars: Envoys, SDS servers, apps
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(cp_task, 10)

@@ -19,12 +19,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.demo import GOOD, NAMES, call, free_port, join_token, tiny_app, write_config
-from attestmesh.serve import ControlPlaneSettings, control_plane_spiffe_id
-from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
-from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap
-from sidecar.envoy_proc import EnvoyProcess
-from sidecar.sds import LocalSds, start_sds
+from attestmesh.demo import NAMES, call, free_port, join_token, sidecar, write_config
+from attestmesh.serve import ControlPlaneSettings
+from sidecar.agent import Agent, client_ssl_context
 
 pytestmark = pytest.mark.integration
 
@@ -90,54 +87,30 @@ async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
     tokens = {n: join_token(n) for n in NAMES}
     settings = write_config(tmp_path, ports, pub, tokens)
     cp = ControlPlaneProcess(settings, tmp_path / "controlplane.log")
-    envoys: list[EnvoyProcess] = []
-    servers = []
     try:
         async with contextlib.AsyncExitStack() as stack:
             await cp.start()
             bundle = (settings.state_dir / "ca" / "root.pem").read_bytes()
-            agents: dict[str, Agent] = {}
-            for n in NAMES:
-                await stack.enter_async_context(tiny_app(n, ports[n]["app"]))
-                sds = LocalSds()
-                sock = tmp_path / f"{n}.sock"
-                servers.append(await start_sds(sds, sock))
-                agents[n] = Agent(
-                    url=f"https://127.0.0.1:{settings.api_port}",
-                    workload=n,
-                    source=SimEvidenceSource(platform, GOOD),
-                    sink=sds,
-                    ssl_context=client_ssl_context(bundle),
-                    token=lambda t=tokens[n]: t,  # type: ignore[misc]
+            tls = client_ssl_context(bundle)
+            sidecars = {
+                n: await stack.enter_async_context(
+                    sidecar(n, settings, ports[n], tmp_path, platform, tokens[n], tls)
                 )
-                boot = build_bootstrap(
-                    n,
-                    ControlPlaneAddress("127.0.0.1", settings.xds_port),
-                    sock,
-                    ports[n]["admin"],
-                    xds_tls=XdsTls(
-                        settings.state_dir / "ca" / "root.pem",
-                        control_plane_spiffe_id(settings.trust_domain),
-                    ),
-                )
-                envoys.append(EnvoyProcess(n, boot, tmp_path / "envoy", ports[n]["admin"]))
+                for n in NAMES
+            }
+            agents = {n: sc.agent for n, sc in sidecars.items()}
             async with aiohttp.ClientSession() as session:
                 for a in agents.values():
                     await a.attest_once(session)
-                for e in envoys:
-                    await e.start()
-                for e in envoys:
-                    await e.wait_ready()
+                for sc in sidecars.values():
+                    await sc.envoy.start()
+                for sc in sidecars.values():
+                    await sc.envoy.wait_ready()
                 yield {
                     "cp": cp, "agents": agents, "ports": ports, "session": session,
                     "settings": settings, "bundle": bundle,
                 }  # fmt: skip
     finally:
-        for e in envoys:
-            await e.stop()
-        for s in servers:
-            s.close()
-            await s.wait_closed()
         cp.kill()
 
 
