@@ -1,8 +1,34 @@
 """The mesh CA: a P-256 root and intermediate persisted in the state directory, leaf issuance
-with capped lifetimes, the trust bundle and the CRL.
+with capped lifetimes, the trust bundle and the CRLs.
 
 Templates and lifetimes are pure (``build_leaf``, ``leaf_validity``, ``build_crl``): time and
-serial numbers come in as arguments. ``CertificateAuthority.load_or_create`` is the only I/O.
+serial numbers come in as arguments. ``CertificateAuthority.load_or_create`` reads (and, after
+a crash, repairs) the state directory; ``prepare``/``activate``/``retire`` write it.
+
+Intermediate rotation (two slots, as SPIRE does it). The root signs every intermediate and is
+the whole trust bundle, so rotating the intermediate never splits trust. Pure predicates on the
+signing intermediate decide; a ticker (the control plane's deadline loop) acts on them:
+
+- ``should_prepare(now)`` at 1/2 of the signing intermediate's lifetime: a new intermediate is
+  created and persisted in the ``next`` slot; it signs nothing yet but gets its (empty) CRL in
+  the CRL set, so every Envoy already holds it when the first leaf it signs arrives.
+- ``should_activate(now)`` at 2/3: the prepared intermediate signs from now on; the old one
+  becomes ``previous``: its CRL stays in the set and chains of its leaves stay valid.
+- ``should_retire(now)``: ``previous`` is dropped once it has expired or once ``MAX_TTL``
+  (the longest leaf lifetime) has passed since the activation: no leaf it signed is alive.
+
+Root rotation is out of scope: the root lives 10 years and every intermediate's notAfter is
+capped at the root's; ``should_prepare`` stops preparing when the root has less than
+``MIN_INTERMEDIATE_LIFETIME`` left, and replacing the root then is an operator's task (a new
+trust bundle distributed before the old root expires).
+
+On disk (directory 0700, files 0600, each written to a temporary file and renamed):
+``root.pem``/``root.key`` (never rewritten), ``intermediate.pem``/``intermediate.key`` (the
+signing intermediate, the original layout), ``intermediate-next.json`` (the prepared slot) and
+``intermediate-previous.json`` (the previous slot with its activation time). Activation writes
+``previous``, then the signing key, then the signing certificate, then removes ``next``; the
+first step records the intent, so ``load_or_create`` finishes an interrupted activation (the
+prepared slot is the evidence) and never pairs a key with another intermediate's certificate.
 """
 
 from __future__ import annotations
@@ -11,7 +37,7 @@ import ipaddress
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -23,12 +49,21 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims
+from certs.policy import MAX_TTL
 
 # 2.25.<uuid as integer> — an arc of the project's own (ITU-T X.667), fixed forever.
 CLAIMS_OID = x509.ObjectIdentifier("2.25.191056338567094339622416036213146734331")
 BACKDATE = timedelta(seconds=30)
 ROOT_LIFETIME = timedelta(days=3650)
 INTERMEDIATE_LIFETIME = timedelta(days=365)
+# Leaves (mesh certificates, policy certificateTTL <= MAX_TTL; the control plane's serving
+# certificate, 24 h) live at most this long, so the previous intermediate is kept that long.
+PREVIOUS_RETENTION = MAX_TTL + BACKDATE
+# A prepared intermediate shorter than this (the root is about to expire) is not worth creating.
+MIN_INTERMEDIATE_LIFETIME = timedelta(days=30)
+NEXT_SLOT = "intermediate-next.json"
+PREVIOUS_SLOT = "intermediate-previous.json"
+_SLOT_MAX_BYTES = 64 * 1024
 
 
 class CsrError(AttestmeshError):
@@ -184,6 +219,10 @@ def build_crl(
         .issuer_name(issuer.cert.subject)
         .last_update(now - BACKDATE)
         .next_update(now + next_update)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            critical=False,
+        )
     )
     for serial, revoked_at in sorted(revoked):
         builder = builder.add_revoked_certificate(
@@ -204,13 +243,15 @@ def _ca_cert(
     serial: int,
     trust_domain: str,
     path_length: int,
+    generation: str | None = None,
 ) -> x509.Certificate:
-    name = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "attestmesh"),
-            x509.NameAttribute(NameOID.COMMON_NAME, subject),
-        ]
-    )
+    attributes = [
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "attestmesh"),
+        x509.NameAttribute(NameOID.COMMON_NAME, subject),
+    ]
+    if generation is not None:  # rotated intermediates: a distinct name per key (CRL matching)
+        attributes.append(x509.NameAttribute(NameOID.SERIAL_NUMBER, generation))
+    name = x509.Name(attributes)
     signer_key = issuer.key if issuer else key
     not_after = now + lifetime
     if issuer is not None:
@@ -254,11 +295,32 @@ def _write_private(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
+    _commit(tmp, path)
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """The one step that makes a write visible: rename, then make the rename durable."""
     tmp.replace(path)
+    _sync_directory(path.parent)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -274,11 +336,91 @@ def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
     return key
 
 
+def preparation_time(cert: x509.Certificate) -> datetime:
+    """When the next intermediate is prepared: half way through ``cert``'s lifetime."""
+    return _point_in_life(cert, 1, 2)
+
+
+def activation_time(cert: x509.Certificate) -> datetime:
+    """When the prepared intermediate takes over signing: two thirds of ``cert``'s lifetime."""
+    return _point_in_life(cert, 2, 3)
+
+
+def _point_in_life(cert: x509.Certificate, numerator: int, denominator: int) -> datetime:
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return start + (end - start) * numerator / denominator
+
+
+def _slot_json(issuer: Issuer, activated_at: datetime | None) -> bytes:
+    doc: dict[str, str] = {
+        "certificate": issuer.cert.public_bytes(serialization.Encoding.PEM).decode(),
+        "key": _key_pem(issuer.key).decode(),
+    }
+    if activated_at is not None:
+        doc["activated_at"] = activated_at.isoformat()
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def _read_slot(path: Path) -> tuple[Issuer, datetime | None]:
+    """A slot file as written by ``_slot_json`` (written atomically: anything else is damage)."""
+    try:
+        raw = path.read_bytes()
+        if len(raw) > _SLOT_MAX_BYTES:
+            raise ValueError("slot file too large")
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+        cert = x509.load_pem_x509_certificate(str(doc["certificate"]).encode())
+        key = serialization.load_pem_private_key(str(doc["key"]).encode(), password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ValueError("not an EC private key")
+        at = doc.get("activated_at")
+        activated_at = None if at is None else datetime.fromisoformat(str(at))
+        if activated_at is not None and activated_at.utcoffset() is None:
+            raise ValueError("activated_at without a time zone")
+    except (ValueError, TypeError, KeyError, UnsupportedAlgorithm) as exc:
+        raise AttestmeshError("ca_inconsistent", f"{path}: unreadable CA slot: {exc}") from None
+    return Issuer(cert, key), activated_at
+
+
+def _check_intermediate(
+    directory: Path, root: x509.Certificate, issuer: Issuer, trust_domain: str
+) -> None:
+    try:
+        issuer.cert.verify_directly_issued_by(root)
+    except (ValueError, TypeError, InvalidSignature):
+        raise AttestmeshError(
+            "ca_inconsistent", f"{directory}: the intermediate is not issued by the root"
+        ) from None
+    if issuer.key.public_key() != issuer.cert.public_key():
+        raise AttestmeshError(
+            "ca_inconsistent", f"{directory}: a CA key does not match its certificate"
+        )
+    try:
+        constraints = issuer.cert.extensions.get_extension_for_class(x509.NameConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = x509.NameConstraints(permitted_subtrees=None, excluded_subtrees=None)
+    permitted = [g.value for g in constraints.permitted_subtrees or []]
+    if trust_domain not in permitted:
+        raise AttestmeshError(
+            "ca_trust_domain_mismatch",
+            f"CA in {directory} is not for trust domain {trust_domain}",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class CertificateAuthority:
+    """The mesh CA. ``intermediate`` signs; ``prepared`` (the next slot) will sign after the
+    activation; ``previous`` signed before it (``activated_at``) and is kept for the CRLs and
+    chains of the leaves it signed. Values are immutable: each rotation step returns a new CA."""
+
     root: x509.Certificate
     intermediate: Issuer
     trust_domain: str
+    previous: Issuer | None = None
+    prepared: Issuer | None = None
+    activated_at: datetime | None = None
+    directory: Path | None = None
 
     @property
     def bundle_pem(self) -> bytes:
@@ -288,15 +430,119 @@ class CertificateAuthority:
     def intermediate_pem(self) -> bytes:
         return self.intermediate.cert.public_bytes(serialization.Encoding.PEM)
 
+    @property
+    def issuers(self) -> tuple[Issuer, ...]:
+        """Every live intermediate, the signing one first: each needs a CRL in the trust set."""
+        return tuple(i for i in (self.intermediate, self.previous, self.prepared) if i is not None)
+
+    def issuer_of(self, leaf: x509.Certificate) -> Issuer:
+        """The live intermediate that signed ``leaf`` (the signing one if none did)."""
+        for issuer in self.issuers:
+            if leaf.issuer != issuer.cert.subject:
+                continue
+            try:
+                leaf.verify_directly_issued_by(issuer.cert)
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+            return issuer
+        return self.intermediate
+
     def chain_pem(self, leaf: x509.Certificate) -> bytes:
-        return leaf.public_bytes(serialization.Encoding.PEM) + self.intermediate_pem
+        """The leaf and the intermediate that signed it, in that order."""
+        return leaf.public_bytes(serialization.Encoding.PEM) + self.issuer_of(
+            leaf
+        ).cert.public_bytes(serialization.Encoding.PEM)
 
     def crl_pem(
         self, revoked: Iterable[tuple[int, datetime]], now: datetime, next_update: timedelta
     ) -> bytes:
-        return build_crl(self.intermediate, revoked, now, next_update).public_bytes(
-            serialization.Encoding.PEM
+        """One CRL per live intermediate, concatenated (the signing one first). Revocations are
+        not recorded per issuer, so each CRL lists every revoked serial: serials are random
+        159-bit numbers, so a serial names one leaf whichever CRL lists it."""
+        entries = list(revoked)
+        return b"".join(
+            build_crl(issuer, entries, now, next_update).public_bytes(serialization.Encoding.PEM)
+            for issuer in self.issuers
         )
+
+    # -- rotation: pure predicates --------------------------------------------------------------
+    def should_prepare(self, now: datetime) -> bool:
+        """Half way through the signing intermediate's life, unless a usable one is prepared
+        (or the root has too little life left to be worth it: root rotation is manual)."""
+        if self.prepared is not None and now < self.prepared.cert.not_valid_after_utc:
+            return False
+        if now < preparation_time(self.intermediate.cert):
+            return False
+        return self.root.not_valid_after_utc - now >= MIN_INTERMEDIATE_LIFETIME
+
+    def should_activate(self, now: datetime) -> bool:
+        """Two thirds through the signing intermediate's life, if a valid one is prepared."""
+        if self.prepared is None:
+            return False
+        cert = self.prepared.cert
+        if not cert.not_valid_before_utc <= now < cert.not_valid_after_utc:
+            return False
+        return now >= activation_time(self.intermediate.cert)
+
+    def should_retire(self, now: datetime) -> bool:
+        """The previous intermediate has expired, or every leaf it signed has."""
+        if self.previous is None:
+            return False
+        if now >= self.previous.cert.not_valid_after_utc:
+            return True
+        return self.activated_at is not None and now >= self.activated_at + PREVIOUS_RETENTION
+
+    # -- rotation: steps (persisted before they are returned) -----------------------------------
+    def prepare(
+        self,
+        now: datetime,
+        *,
+        key: ec.EllipticCurvePrivateKey | None = None,
+        serial: int | None = None,
+    ) -> CertificateAuthority:
+        """Create the next intermediate under the root and persist it in the ``next`` slot."""
+        directory = self._persisted_in()
+        root_key = _load_key(directory / "root.key")  # only in memory while preparing
+        if root_key.public_key() != self.root.public_key():
+            raise AttestmeshError("ca_inconsistent", f"{directory}: root.key is not the root's")
+        key = key or ec.generate_private_key(ec.SECP256R1())
+        generation = x509.SubjectKeyIdentifier.from_public_key(key.public_key()).digest.hex()
+        cert = _ca_cert(
+            f"attestmesh intermediate {self.trust_domain}",
+            key,
+            Issuer(self.root, root_key),
+            now,
+            INTERMEDIATE_LIFETIME,
+            x509.random_serial_number() if serial is None else serial,
+            self.trust_domain,
+            0,
+            generation,
+        )
+        prepared = Issuer(cert, key)
+        _write_private(directory / NEXT_SLOT, _slot_json(prepared, None))
+        return replace(self, prepared=prepared)
+
+    def activate(self, now: datetime) -> CertificateAuthority:
+        """The prepared intermediate signs from now on; the signing one becomes previous."""
+        if self.prepared is None:
+            raise AttestmeshError("ca_nothing_prepared", "no prepared intermediate to activate")
+        directory = self._persisted_in()
+        new = self.prepared
+        _write_private(directory / PREVIOUS_SLOT, _slot_json(self.intermediate, now))  # intent
+        _finish_activation(directory, new)
+        return replace(
+            self, intermediate=new, previous=self.intermediate, prepared=None, activated_at=now
+        )
+
+    def retire(self) -> CertificateAuthority:
+        """Drop the previous intermediate (its leaves have all expired)."""
+        _remove(self._persisted_in() / PREVIOUS_SLOT)
+        return replace(self, previous=None, activated_at=None)
+
+    def _persisted_in(self) -> Path:
+        if self.directory is None:
+            raise AttestmeshError("ca_not_persisted", "this CA has no state directory")
+        return self.directory
 
     @classmethod
     def load_or_create(
@@ -307,40 +553,15 @@ class CertificateAuthority:
         serials: Mapping[str, int] | None = None,
     ) -> CertificateAuthority:
         """Load the CA from ``directory`` or create it there (keys 0600). A CA persisted once is
-        reused after restarts: a new CA would split trust between peers."""
+        reused after restarts: a new CA would split trust between peers. An activation that a
+        crash interrupted is finished here."""
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         paths = {
             n: directory / f"{n}"
             for n in ("root.pem", "root.key", "intermediate.pem", "intermediate.key")
         }
         if all(p.exists() for p in paths.values()):
-            root = x509.load_pem_x509_certificate(paths["root.pem"].read_bytes())
-            inter = x509.load_pem_x509_certificate(paths["intermediate.pem"].read_bytes())
-            inter_key = _load_key(paths["intermediate.key"])
-            root_key = _load_key(paths["root.key"])
-            try:
-                inter.verify_directly_issued_by(root)
-            except (ValueError, TypeError, InvalidSignature):
-                raise AttestmeshError(
-                    "ca_inconsistent", f"{directory}: the intermediate is not issued by the root"
-                ) from None
-            keys_match = (
-                inter_key.public_key() == inter.public_key()
-                and root_key.public_key() == root.public_key()
-            )
-            if not keys_match:
-                raise AttestmeshError(
-                    "ca_inconsistent", f"{directory}: a CA key does not match its certificate"
-                )
-            ca = cls(root, Issuer(inter, inter_key), trust_domain)
-            constraints = inter.extensions.get_extension_for_class(x509.NameConstraints).value
-            permitted = [g.value for g in constraints.permitted_subtrees or []]
-            if trust_domain not in permitted:
-                raise AttestmeshError(
-                    "ca_trust_domain_mismatch",
-                    f"CA in {directory} is not for trust domain {trust_domain}",
-                )
-            return ca
+            return cls._load(directory, trust_domain, paths)
         if any(p.exists() for p in paths.values()):
             raise AttestmeshError(
                 "ca_incomplete", f"{directory} holds a partial CA; refusing to overwrite it"
@@ -374,7 +595,66 @@ class CertificateAuthority:
             paths["intermediate.pem"], inter_cert.public_bytes(serialization.Encoding.PEM)
         )
         _write_private(paths["root.pem"], root_cert.public_bytes(serialization.Encoding.PEM))
-        return cls(root_cert, Issuer(inter_cert, inter_key), trust_domain)
+        return cls(root_cert, Issuer(inter_cert, inter_key), trust_domain, directory=directory)
+
+    @classmethod
+    def _load(
+        cls, directory: Path, trust_domain: str, paths: Mapping[str, Path]
+    ) -> CertificateAuthority:
+        root = x509.load_pem_x509_certificate(paths["root.pem"].read_bytes())
+        root_key = _load_key(paths["root.key"])
+        if root_key.public_key() != root.public_key():
+            raise AttestmeshError(
+                "ca_inconsistent", f"{directory}: a CA key does not match its certificate"
+            )
+        on_disk = Issuer(
+            x509.load_pem_x509_certificate(paths["intermediate.pem"].read_bytes()),
+            _load_key(paths["intermediate.key"]),
+        )
+        prepared: Issuer | None = None
+        previous: Issuer | None = None
+        activated_at: datetime | None = None
+        if (directory / NEXT_SLOT).exists():
+            prepared, _ = _read_slot(directory / NEXT_SLOT)
+        if (directory / PREVIOUS_SLOT).exists():
+            previous, activated_at = _read_slot(directory / PREVIOUS_SLOT)
+        current = on_disk
+        if prepared is not None and _activation_began(on_disk, prepared, previous):
+            _check_intermediate(directory, root, prepared, trust_domain)
+            _finish_activation(directory, prepared, on_disk)
+            current, prepared = prepared, None
+        elif previous is not None and previous.cert == on_disk.cert:
+            previous = activated_at = None  # not reachable by our writes; harmless to drop
+        for issuer in (current, previous, prepared):
+            if issuer is not None:
+                _check_intermediate(directory, root, issuer, trust_domain)
+        if previous is not None and activated_at is None:
+            raise AttestmeshError("ca_inconsistent", f"{directory}: previous slot has no time")
+        return cls(root, current, trust_domain, previous, prepared, activated_at, directory)
+
+
+def _activation_began(on_disk: Issuer, prepared: Issuer, previous: Issuer | None) -> bool:
+    """Whether an activation of ``prepared`` wrote its first step (the previous slot now holds
+    the intermediate files' certificate) or more (a file of the signing pair is the prepared
+    one's)."""
+    wanted = prepared.cert.public_key()
+    return (
+        on_disk.cert == prepared.cert
+        or on_disk.key.public_key() == wanted
+        or (previous is not None and previous.cert == on_disk.cert)
+    )
+
+
+def _finish_activation(directory: Path, new: Issuer, on_disk: Issuer | None = None) -> None:
+    """Make ``new`` the signing pair on disk (key, then certificate), then empty ``next``.
+    Each write is skipped when it is already done, so finishing again is a no-op."""
+    if on_disk is None or on_disk.key.public_key() != new.cert.public_key():
+        _write_private(directory / "intermediate.key", _key_pem(new.key))
+    if on_disk is None or on_disk.cert != new.cert:
+        _write_private(
+            directory / "intermediate.pem", new.cert.public_bytes(serialization.Encoding.PEM)
+        )
+    _remove(directory / NEXT_SLOT)
 
 
 def build_server_cert(
