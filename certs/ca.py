@@ -633,6 +633,19 @@ class CertificateAuthority:
         return cls(root, current, trust_domain, previous, prepared, activated_at, directory)
 
 
+def rotation_step(ca: CertificateAuthority, now: datetime) -> CertificateAuthority | None:
+    """The step the predicates call for at ``now`` (prepare, activate, retire: in that order),
+    persisted and applied; None when none is due. The ticker calls it until it returns None,
+    keeping each returned CA: a failure leaves the last persisted step in force."""
+    if ca.should_prepare(now):
+        return ca.prepare(now)
+    if ca.should_activate(now):
+        return ca.activate(now)
+    if ca.should_retire(now):
+        return ca.retire()
+    return None
+
+
 def _activation_began(on_disk: Issuer, prepared: Issuer, previous: Issuer | None) -> bool:
     """Whether an activation of ``prepared`` wrote its first step (the previous slot now holds
     the intermediate files' certificate) or more (a file of the signing pair is the prepared
