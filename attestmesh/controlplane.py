@@ -16,7 +16,13 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from attestmesh.metrics import Metrics
-from certs.ca import CertificateAuthority, build_leaf, encode_claims_extension
+from certs.ca import (
+    CertificateAuthority,
+    Issuer,
+    build_leaf,
+    encode_claims_extension,
+    rotation_step,
+)
 from certs.errors import AttestmeshError, CollateralError, PolicyError
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
 from certs.issuance import (
@@ -64,6 +70,9 @@ CRL_VALIDITY = timedelta(hours=24)
 # request fails (HTTP 503, the agent retries) but never quarantines; the re-attestation deadline
 # stays the backstop.
 COLLATERAL_OUTAGE = frozenset({"collateral_unreachable", "collateral_http_status"})
+# A failed CA rotation step (disk full, unreadable root key) is retried this much later; the
+# signing intermediate has months left when rotation starts.
+CA_ROTATION_RETRY = timedelta(minutes=1)
 
 
 class Publisher(Protocol):
@@ -145,6 +154,7 @@ class ControlPlane:
         self._collateral = dict(collateral_sources or {})
         self._nonces = NonceBook()
         self._crl_at: datetime | None = None
+        self._ca_retry_at: datetime | None = None
         self._trust = self._build_trust(clock())
         self._update_gauges()
 
@@ -200,6 +210,8 @@ class ControlPlane:
     def _update_gauges(self) -> None:
         count = sum(w.status is Status.QUARANTINED for w in self._state.workloads.values())
         self._metrics.quarantined.set(count)
+        expiry = self._ca.intermediate.cert.not_valid_after_utc
+        self._metrics.ca_intermediate_expiry.set(expiry.timestamp())
 
     def publish_all(self) -> None:
         """Announce the current state (at startup, after loading it)."""
@@ -249,11 +261,12 @@ class ControlPlane:
         interval = min((p.reattestation_interval for p in governing), default=DEFAULT_REATTESTATION)
         serial = self._serials()
         spiffe = w.registration.spiffe_id(self._state.trust_domain)
+        ca = self._ca
         leaf = build_leaf(
             verified.csr,
             spiffe_id=spiffe,
             claims_extension=encode_claims_extension(admitted.claims, admitted.policy, now),
-            issuer=self._ca.intermediate,
+            issuer=ca.intermediate,
             serial=serial,
             now=now,
             ttl=ttl,
@@ -279,8 +292,8 @@ class ControlPlane:
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
         return Issued(
-            chain_pem=self._ca.chain_pem(leaf),
-            bundle_pem=self._ca.bundle_pem,
+            chain_pem=ca.chain_pem(leaf),
+            bundle_pem=ca.bundle_pem,
             serial=serial,
             not_after=not_after,
             renew_after=now + (not_after - now) / 2,
@@ -329,16 +342,46 @@ class ControlPlane:
         return bool(events)
 
     def check_deadlines(self) -> list[str]:
-        """Quarantine attested workloads that missed their re-attestation deadline; refresh
-        the CRL before it goes stale."""
+        """Quarantine attested workloads that missed their re-attestation deadline; rotate the
+        intermediate CA when its predicates say so; refresh the CRLs before they go stale."""
         now = self._clock()
         late = overdue(self._state, now)
         for name in late:
             self.quarantine(name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed")
+        self._rotate_ca(now)
         if self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2:
             self._trust = self._build_trust(now)
             self._publisher.publish(self._state, self._mesh_policies, self._trust)
         return late
+
+    def _rotate_ca(self, now: datetime) -> None:
+        """The dumb ticker over the CA's rotation predicates. Each step is persisted before it
+        is kept; after any step the CRL set changes (a CRL per live intermediate), so the trust
+        material is rebuilt and published. Leaves issued from here on chain to the new signer;
+        the trust bundle (the root) never changes."""
+        if self._ca_retry_at is not None and now < self._ca_retry_at:
+            return
+        before = self._ca
+        try:
+            for _ in range(3):  # at most prepare, activate, retire
+                rotated = rotation_step(self._ca, now)
+                if rotated is None:
+                    break
+                log.info(
+                    "CA rotation: signing %s, prepared %s, previous %s",
+                    _serial_of(rotated.intermediate),
+                    _serial_of(rotated.prepared),
+                    _serial_of(rotated.previous),
+                )
+                self._ca = rotated
+            self._ca_retry_at = None
+        except (OSError, AttestmeshError) as exc:
+            self._ca_retry_at = now + CA_ROTATION_RETRY
+            log.error("CA rotation failed, retrying at %s: %s", self._ca_retry_at, exc)
+        if self._ca is not before:
+            self._trust = self._build_trust(now)
+            self._update_gauges()
+            self._publisher.publish(self._state, self._mesh_policies, self._trust)
 
     def set_policies(self, docs: Sequence[object]) -> tuple[AttestationPolicy, ...]:
         """Replace the attestation policies; invalid documents leave the previous ones in force.
@@ -369,6 +412,10 @@ class ControlPlane:
 
     def events(self, workload: str | None = None) -> list[Event]:
         return self._store.events(workload)
+
+
+def _serial_of(issuer: Issuer | None) -> str:
+    return "-" if issuer is None else format(issuer.cert.serial_number, "x")
 
 
 def _with_collateral(req: AttestRequest, collateral: Mapping[str, bytes]) -> AttestRequest:

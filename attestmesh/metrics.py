@@ -64,3 +64,8 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.ca_intermediate_expiry = Gauge(
+            "attestmesh_ca_intermediate_expiry_timestamp_seconds",
+            "notAfter of the signing intermediate CA (Unix time); rotation keeps it months ahead",
+            registry=r,
+        )
