@@ -618,18 +618,20 @@ class CertificateAuthority:
             prepared, _ = _read_slot(directory / NEXT_SLOT)
         if (directory / PREVIOUS_SLOT).exists():
             previous, activated_at = _read_slot(directory / PREVIOUS_SLOT)
-        current = on_disk
-        if prepared is not None and _activation_began(on_disk, prepared, previous):
-            _check_intermediate(directory, root, prepared, trust_domain)
-            _finish_activation(directory, prepared, on_disk)
-            current, prepared = prepared, None
-        elif previous is not None and previous.cert == on_disk.cert:
-            previous = activated_at = None  # not reachable by our writes; harmless to drop
+        interrupted = prepared is not None and _activation_began(on_disk, prepared, previous)
+        if prepared is not None and interrupted:
+            current, prepared = prepared, None  # finish the activation (below, once checked)
+        else:
+            current = on_disk
+            if previous is not None and previous.cert == on_disk.cert:
+                previous = activated_at = None  # not reachable by our writes; a duplicate
         for issuer in (current, previous, prepared):
             if issuer is not None:
                 _check_intermediate(directory, root, issuer, trust_domain)
         if previous is not None and activated_at is None:
             raise AttestmeshError("ca_inconsistent", f"{directory}: previous slot has no time")
+        if interrupted:
+            _finish_activation(directory, current, on_disk)
         return cls(root, current, trust_domain, previous, prepared, activated_at, directory)
 
 
