@@ -168,16 +168,24 @@ def authorize_node(cp: ControlPlane) -> Callable[[str, tuple[str, ...]], bool]:
 
 async def _rotate_server_cert(
     contexts: Sequence[ssl.SSLContext],
-    ca: CertificateAuthority,
+    current_ca: Callable[[], CertificateAuthority],
     settings: ControlPlaneSettings,
     stop: asyncio.Event,
 ) -> None:
-    """Re-issue the serving certificate at half its lifetime; new handshakes use it."""
+    """Re-issue the serving certificate at half its lifetime from the CA's current signing
+    intermediate (it rotates); new handshakes use it. A failure is logged and retried."""
+    wait = SERVER_CERT_TTL / 2
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), (SERVER_CERT_TTL / 2).total_seconds())
-        if not stop.is_set():
-            _load_server_cert(contexts, ca, settings, datetime.now(UTC))
+            await asyncio.wait_for(stop.wait(), wait.total_seconds())
+        if stop.is_set():
+            return
+        try:
+            _load_server_cert(contexts, current_ca(), settings, datetime.now(UTC))
+            wait = SERVER_CERT_TTL / 2
+        except (AttestmeshError, OSError, ssl.SSLError) as exc:
+            log.error("could not renew the control plane's serving certificate: %s", exc)
+            wait = timedelta(minutes=1)
 
 
 def build_collateral_sources(
@@ -419,7 +427,7 @@ async def run_control_plane(
                 ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(_deadlines(cp, settings, stop))
-                tg.create_task(_rotate_server_cert(contexts, cp.ca, settings, stop))
+                tg.create_task(_rotate_server_cert(contexts, lambda: cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
                 if hooks is not None and hooks.run is not None:
                     tg.create_task(hooks.run(cp, stop))
