@@ -11,7 +11,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Protocol
 
@@ -241,7 +241,7 @@ class ControlPlane:
         try:
             collateral = await self._collateral_for(req, now)
             verified = verify_request(
-                req if collateral is None else _with_collateral(req, collateral),
+                req if collateral is None else replace(req, collateral=collateral),
                 self._verifiers,
                 now,
             )
@@ -311,22 +311,30 @@ class ControlPlane:
             return None
         try:
             return await source.collateral_for(req.evidence, req.collateral, now)
-        except CollateralError as exc:
-            if exc.reason in COLLATERAL_OUTAGE:
+        except AttestmeshError as exc:
+            if isinstance(exc, CollateralError) and exc.reason in COLLATERAL_OUTAGE:
                 self._metrics.attestations.labels(Tee(req.tee).value, "error", exc.reason).inc()
                 raise
             raise EvidenceRejected(exc.reason, exc.detail, req.tee) from exc
-        except AttestmeshError as exc:
-            raise EvidenceRejected(exc.reason, exc.detail, req.tee) from exc
 
     def quarantine(self, name: str, trigger: Trigger, reason: str) -> bool:
-        state, events = quarantine(self._state, name, trigger, reason, self._clock())
+        return bool(self._quarantine_all([(name, trigger, reason)]))
+
+    def _quarantine_all(self, decisions: Sequence[tuple[str, Trigger, str]]) -> list[str]:
+        """Quarantine several workloads in one transition: persisted and announced once."""
+        now = self._clock()
+        state, events = self._state, []
+        for name, trigger, reason in decisions:
+            state, ev = quarantine(state, name, trigger, reason, now)
+            events += ev
         if not events:
-            return False
-        self._metrics.quarantine_events.labels(trigger.value).inc()
+            return []
         self._apply(state, events)
-        log.warning("quarantined %s (%s): %s", name, trigger, reason)
-        return True
+        for e in events:
+            assert e.trigger is not None
+            self._metrics.quarantine_events.labels(e.trigger.value).inc()
+            log.warning("quarantined %s (%s): %s", e.workload, e.trigger, e.reason)
+        return [e.workload for e in events]
 
     def unregister(self, name: str) -> bool:
         """The workload is gone (its pod was deleted): its endpoint leaves every cluster."""
@@ -346,8 +354,9 @@ class ControlPlane:
         intermediate CA when its predicates say so; refresh the CRLs before they go stale."""
         now = self._clock()
         late = overdue(self._state, now)
-        for name in late:
-            self.quarantine(name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed")
+        self._quarantine_all(
+            [(name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed") for name in late]
+        )
         self._rotate_ca(now)
         if self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2:
             self._trust = self._build_trust(now)
@@ -394,6 +403,7 @@ class ControlPlane:
         self._policies = policies
         self._metrics.policy_reloads.labels("ok").inc()
         now = self._clock()
+        no_longer_admitted = []
         for name, w in sorted(self._state.workloads.items()):
             if w.status is not Status.ATTESTED or w.attestation is None:
                 continue
@@ -403,7 +413,10 @@ class ControlPlane:
             governing = policies_for(policies, reg.namespace, reg.service_account, reg.labels)
             decision = appraise_all(w.attestation.claims, governing, now)
             if isinstance(decision, Rejected):
-                self.quarantine(name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons))
+                no_longer_admitted.append(
+                    (name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons))
+                )
+        self._quarantine_all(no_longer_admitted)
         return policies
 
     def set_mesh_policies(self, policies: Sequence[MeshPolicy]) -> None:
@@ -418,26 +431,7 @@ def _serial_of(issuer: Issuer | None) -> str:
     return "-" if issuer is None else format(issuer.cert.serial_number, "x")
 
 
-def _with_collateral(req: AttestRequest, collateral: Mapping[str, bytes]) -> AttestRequest:
-    return AttestRequest(req.workload, req.tee, req.evidence, req.csr_pem, req.nonce, collateral)
-
-
 def _trigger_for(exc: EvidenceRejected) -> Trigger:
-    appraisal = {
-        "tee_not_allowed",
-        "debug_not_allowed",
-        "measurement_not_allowed",
-        "measurement_missing",
-        "tcb_below_minimum",
-        "platform_not_allowed",
-        "svn_below_minimum",
-        "product_id_mismatch",
-        "tcb_status_not_accepted",
-        "advisories_not_allowed",
-        "migration_agent_not_allowed",
-        "smt_not_allowed",
-        "no_policy",
-    }
     if exc.reason == "revoked":
         return Trigger.TCB_REVOKED
-    return Trigger.APPRAISAL_FAILED if exc.reason in appraisal else Trigger.VERIFICATION_FAILED
+    return Trigger.APPRAISAL_FAILED if exc.appraisal else Trigger.VERIFICATION_FAILED

@@ -27,13 +27,23 @@ class EvidenceRejected(AttestmeshError):
     """The workload's own evidence failed: verification, key binding or policy.
 
     Unlike request errors (CSR, nonce, identity), this failure counts against the workload:
-    a failed re-attestation of an attested workload quarantines it.
+    a failed re-attestation of an attested workload quarantines it. ``appraisal`` tells a
+    policy rejection (authentic evidence the policy does not admit) from a failed verification.
     """
 
-    def __init__(self, reason: str, detail: str, tee: str, reasons: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        tee: str,
+        reasons: tuple[str, ...] = (),
+        *,
+        appraisal: bool = False,
+    ) -> None:
         super().__init__(reason, detail)
         self.tee = tee
         self.reasons = reasons or (f"{reason}: {detail}",)
+        self.appraisal = appraisal
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +94,10 @@ def decide(verified: Verified, governing: Sequence[AttestationPolicy], now: date
     decision = appraise_all(verified.claims, governing, now)
     if isinstance(decision, Rejected):
         raise EvidenceRejected(
-            decision.reason, "; ".join(decision.reasons), verified.claims.tee, decision.reasons
+            decision.reason,
+            "; ".join(decision.reasons),
+            verified.claims.tee,
+            decision.reasons,
+            appraisal=True,
         )
     return decision
