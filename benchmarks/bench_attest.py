@@ -137,7 +137,7 @@ async def main(n: int) -> None:
     print(f"CPU per attestation (sim TEE, median of {n}, process time)")
     print(f"  lower bound: evidence verify + CSR verify + leaf sign  {med_b:7.3f} ms  1.00x")
     for label, xs in (("control plane, state persisted (SQLite)      ", null),
-                      ("  + xDS snapshots rebuilt for the mesh        ", xds)):  # fmt: skip
+                      ("  + xDS publisher (a renewal rebuilds nothing)", xds)):  # fmt: skip
         m = statistics.median(xs) * 1e3
         print(f"  {label}{m:7.3f} ms  {m / med_b:5.2f}x")
 

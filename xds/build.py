@@ -545,6 +545,27 @@ def build_snapshot(
     )
 
 
+def config_view(state: MeshState) -> tuple[object, ...]:
+    """Everything of the mesh state that snapshots are built from: registrations, statuses and
+    the attested TEE and measurements (claims-based mesh policy). A renewal changes none of it
+    (new serial, new deadline), so it needs no rebuild; revocations reach Envoy through the
+    trust material, which is compared separately."""
+    return (
+        state.trust_domain,
+        tuple(
+            (
+                name,
+                w.registration,
+                w.status,
+                None
+                if w.attestation is None
+                else (w.attestation.tee, tuple(sorted(w.attestation.measurements.items()))),
+            )
+            for name, w in sorted(state.workloads.items())
+        ),
+    )
+
+
 def build_snapshots(
     state: MeshState,
     mesh_policies: Sequence[MeshPolicy],
@@ -567,5 +588,6 @@ __all__ = [
     "TrustMaterial",
     "build_snapshot",
     "build_snapshots",
+    "config_view",
     "content_version",
 ]
