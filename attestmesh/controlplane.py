@@ -213,10 +213,6 @@ class ControlPlane:
         expiry = self._ca.intermediate.cert.not_valid_after_utc
         self._metrics.ca_intermediate_expiry.set(expiry.timestamp())
 
-    def publish_all(self) -> None:
-        """Announce the current state (at startup, after loading it)."""
-        self._publisher.publish(self._state, self._mesh_policies, self._trust)
-
     def register(self, regs: Sequence[Registration]) -> None:
         now = self._clock()
         state, events = self._state, []

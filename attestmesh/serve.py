@@ -264,8 +264,7 @@ def build_control_plane(
         random_bytes=secrets.token_bytes,
         collateral_sources=collateral_sources,
     )
-    cp.register(registrations)
-    cp.publish_all()
+    cp.register(registrations)  # persists what changed and announces the loaded state
     return cp, publisher, store
 
 
