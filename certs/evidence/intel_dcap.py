@@ -39,9 +39,7 @@ import hmac
 import itertools
 import json
 import struct
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -55,7 +53,12 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import TcbStatus
-from certs.evidence.x509chain import ParsedCertificate, decode_strictly, parse_certificates
+from certs.evidence.x509chain import (
+    Lru,
+    ParsedCertificate,
+    decode_strictly,
+    parse_certificates,
+)
 
 # --------------------------------------------------------------------------------------------
 # Wire constants
@@ -1075,28 +1078,6 @@ class _SignedCollateral:
     parsed: TcbInfo | EnclaveIdentity
 
 
-class _Lru:
-    """A small bounded cache keyed by bytes tuples (verification results are immutable)."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._data: OrderedDict[object, object] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get_or(self, key: object, make: Callable[[], _T]) -> _T:
-        with self._lock:
-            hit = self._data.get(key)
-            if hit is not None:
-                self._data.move_to_end(key)
-                return hit  # type: ignore[return-value]
-        value = make()
-        with self._lock:
-            self._data[key] = value
-            while len(self._data) > self._size:
-                self._data.popitem(last=False)
-        return value
-
-
 # --------------------------------------------------------------------------------------------
 # The verifier core
 # --------------------------------------------------------------------------------------------
@@ -1138,10 +1119,10 @@ class DcapVerifier:
         self._root_der = roots[0].der
         self._root_key = roots[0].public_key
         self._require_all = require_qe_identity_and_crls
-        self._chains = _Lru(cache_size)
-        self._docs = _Lru(cache_size)
-        self._crls = _Lru(cache_size)
-        self._collateral = _Lru(cache_size)
+        self._chains: Lru[tuple[bytes, bool], VerifiedChain] = Lru(cache_size)
+        self._docs: Lru[tuple[object, ...], _SignedCollateral] = Lru(cache_size)
+        self._crls: Lru[tuple[bytes, bytes], VerifiedCrl] = Lru(cache_size)
+        self._collateral: Lru[tuple[tuple[str, bytes], ...], DcapCollateral] = Lru(cache_size)
 
     @property
     def require_qe_identity_and_crls(self) -> bool:

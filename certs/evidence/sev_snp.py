@@ -46,12 +46,10 @@ import enum
 import hashlib
 import hmac
 import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Final, Generic, TypeVar
+from typing import Final
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -61,7 +59,12 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims, Collateral, Detail, Tee, evidence_digest
-from certs.evidence.x509chain import ParsedCertificate, parse_certificate, parse_certificates
+from certs.evidence.x509chain import (
+    Lru,
+    ParsedCertificate,
+    parse_certificate,
+    parse_certificates,
+)
 
 __all__ = [
     "COLLATERAL_CERT_CHAIN",
@@ -541,33 +544,6 @@ def _parse_endorsement(data: bytes) -> _Endorsement:
     )
 
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _Lru(Generic[K, V]):
-    """A small thread-safe LRU map."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: OrderedDict[K, V] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: K) -> V | None:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: K, value: V) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
-
-
 @dataclass(frozen=True, slots=True)
 class _Window:
     """Intersection of the validity periods of a verified chain's certificates."""
@@ -647,9 +623,9 @@ class SevSnpVerifier:
             _verify_pss(chain.ark, chain.intermediate, f"{_cn(chain.intermediate.subject)}")
             self._chains[(chain.product, chain.key)] = chain
             self._roots[chain.ark_der] = chain.product
-        self._endorsements: _Lru[bytes, _Endorsement] = _Lru(_CACHE_SIZE)
-        self._overrides: _Lru[bytes, AmdChain] = _Lru(16)
-        self._links: _Lru[tuple[bytes, bytes, bytes], _Window] = _Lru(_CACHE_SIZE)
+        self._endorsements: Lru[bytes, _Endorsement] = Lru(_CACHE_SIZE)
+        self._overrides: Lru[bytes, AmdChain] = Lru(16)
+        self._links: Lru[tuple[bytes, bytes, bytes], _Window] = Lru(_CACHE_SIZE)
 
     @property
     def tee(self) -> Tee:

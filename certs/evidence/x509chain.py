@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Final, TypeVar
+from typing import Final, Generic, TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -282,25 +282,42 @@ class VerifiedChain:
             )
 
 
-class _Lru:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Lru(Generic[K, V]):
+    """A small thread-safe LRU map for immutable verification results (the verifiers' caches).
+
+    ``get_or`` computes outside the lock: two threads may both compute a missing value, which
+    is harmless for pure verification results."""
+
     def __init__(self, size: int) -> None:
         self._size = size
-        self._data: OrderedDict[object, object] = OrderedDict()
+        self._items: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: object) -> object | None:
+    def get(self, key: K) -> V | None:
         with self._lock:
-            value = self._data.get(key)
+            value = self._items.get(key)
             if value is not None:
-                self._data.move_to_end(key)
+                self._items.move_to_end(key)
             return value
 
-    def put(self, key: object, value: object) -> None:
+    def put(self, key: K, value: V) -> None:
         with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self._size:
-                self._data.popitem(last=False)
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def get_or(self, key: K, make: Callable[[], V]) -> V:
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        value = make()
+        self.put(key, value)
+        return value
 
 
 class ChainVerifier:
@@ -324,9 +341,9 @@ class ChainVerifier:
         self._root_der = self._root.der
         self._curve = curve
         self._hash = hash_algorithm
-        self._links = _Lru(cache_size)
-        self._parsed = _Lru(cache_size)
-        self._chains = _Lru(cache_size)
+        self._links: Lru[tuple[bytes, bytes], bool] = Lru(cache_size)
+        self._parsed: Lru[bytes, ParsedCertificate] = Lru(cache_size)
+        self._chains: Lru[tuple[bytes, ...], VerifiedChain] = Lru(cache_size)
 
     @property
     def root_der(self) -> bytes:
@@ -334,7 +351,7 @@ class ChainVerifier:
 
     def _parse(self, der: bytes) -> ParsedCertificate:
         cached = self._parsed.get(der)
-        if isinstance(cached, ParsedCertificate):
+        if cached is not None:
             return cached
         if der.lstrip()[:10] == b"-----BEGIN":
             raise EvidenceFormatError("certificate_invalid", "chain certificates must be DER")
@@ -375,7 +392,7 @@ class ChainVerifier:
         """Verify leaf-first ``chain`` (DER) to the pinned root at ``now``."""
         key = tuple(chain)
         cached = self._chains.get(key)
-        if isinstance(cached, VerifiedChain):
+        if cached is not None:
             cached.check_time(now)
             return cached
         if not 0 < len(key) <= MAX_CHAIN:
