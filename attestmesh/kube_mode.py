@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -54,7 +55,7 @@ from attestmesh.serve import Hooks, XdsPublisher
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import AttestmeshError, PolicyError
 from certs.issuance import IdentityError
-from certs.policy import AttestationPolicy, Mode, OnFailure, parse_policies, policies_for
+from certs.policy import AttestationPolicy, Mode, OnFailure, policies_for
 from sidecar.inject import (
     LABEL_INJECT,
     TRUST_CONFIGMAP,
@@ -283,7 +284,6 @@ class KubeMode:
         self.kube, self.settings, self.metrics = kube, settings, metrics
         self.state_dir = state_dir
         self.kube_metrics = KubeMetrics(metrics.registry)
-        self.policies: tuple[AttestationPolicy, ...] = ()
         self.namespaces = NamespaceLabels()
         self.elector = LeaderElector(
             kube,
@@ -332,7 +332,8 @@ class KubeMode:
         self.identity = TokenReviewIdentity(TokenReviewer(kube), settings.token_audience)
         self.synced = asyncio.Event()
         self.webhook_url: str | None = None
-        self.completed: list[Work] = []  # what the worker did, in order (ops and tests read it)
+        # what the worker did lately, in order (ops and tests read it); bounded
+        self.completed: collections.deque[Work] = collections.deque(maxlen=1000)
         self._queue: asyncio.Queue[Work] = asyncio.Queue()
         self._retry = asyncio.Event()
         self._cp: ControlPlane | None = None
@@ -341,6 +342,11 @@ class KubeMode:
         self.trust_namespaces: set[str] = set()
         self._trust_written: dict[str, bytes] = {}
         self._trust_queued: set[str] = set()
+
+    @property
+    def policies(self) -> tuple[AttestationPolicy, ...]:
+        """The attestation policies in force (the control plane's; none before it runs)."""
+        return () if self._cp is None else self._cp.policies
 
     def hooks(self) -> Hooks:
         return Hooks(identity=self.identity, wrap_publisher=self._wrap, run=self.run)
@@ -364,13 +370,13 @@ class KubeMode:
 
     async def _on_policy_documents(self, docs: list[dict[str, Any]]) -> None:
         try:
-            # known before set_policies quarantines anything: eviction follows the new policy
-            self.policies = parse_policies(docs)
-            self.policies = self.cp.set_policies(docs)
+            # set_policies puts them in force before it quarantines anything, so eviction
+            # decisions (build_work, via self.policies) already follow the new policy
+            policies = self.cp.set_policies(docs)
         except PolicyError as exc:  # each CR was valid alone; together they are not
             log.error("refused AttestationPolicies: %s", "; ".join(exc.problems))
             return
-        log.info("attestation policies in force: %s", [p.name for p in self.policies])
+        log.info("attestation policies in force: %s", [p.name for p in policies])
 
     async def _on_mesh_policies(self, policies: list[MeshPolicy]) -> None:
         self.cp.set_mesh_policies(policies)
