@@ -1,8 +1,10 @@
-"""State-of-the-world ADS over grpclib: snapshots from the cache to each Envoy's stream.
+"""ADS over grpclib, state-of-the-world and incremental (delta): snapshots from the cache to
+each Envoy's stream.
 
-The protocol logic lives in :class:`AdsSession` (no I/O: requests in, encoded responses out) so it
-is tested with plain values; :class:`AdsServer` only moves bytes between a grpclib stream, the
-session and the cache's watch.
+The protocol logic lives in :class:`AdsSession` (SotW) and :class:`DeltaSession` (delta); both
+take requests in and give encoded responses out, with no I/O, so they are tested with plain
+values. :class:`AdsServer` serves both RPCs from one cache and one ``authorize`` callback and
+only moves bytes between a grpclib stream, a session and the cache's watch.
 
 Rules, each learnt from a real Envoy (see ENVOY-NOTES):
 
@@ -14,18 +16,36 @@ Rules, each learnt from a real Envoy (see ENVOY-NOTES):
   re-requests EDS with the old nonce when CDS changed an EDS cluster, and a silent server leaves
   that cluster warming until ``initial_fetch_timeout``.
 - Several pending types go out in ADS order (SDS, CDS, EDS, LDS, RDS).
+
+Delta (``DeltaAggregatedResources``), per stream and type:
+
+- Subscriptions: ``*`` (or, for CDS/LDS, an empty first request) is the wildcard; other names
+  are explicit. A name subscribed again is answered again whatever the server believes the
+  client holds (Envoy re-subscribes a cluster's EDS name when CDS changes that cluster, and the
+  new cluster warms only on a response). Unsubscribing needs no answer.
+- The server keeps, per name, the version it last gave the client (``initial_resource_versions``
+  on a new stream) and sends only resources whose version differs, plus ``removed_resources``
+  for names the client holds that no longer exist (and for subscribed names that do not exist).
+  Versions are content hashes of the packed bytes (:class:`ResourceVersions`), so they survive
+  a control-plane restart.
+- A change costs, per stream and type, one comparison of the snapshot's per-type version (or
+  mapping identity); only when that differs are the resources compared, one memoized version
+  lookup each. Streams hold references to the shared bytes, never copies.
+- A NACK (``error_detail`` set) is counted and logged; the rejected versions stay recorded as
+  given, so nothing is resent until that resource changes again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpclib.const
 import grpclib.server
@@ -50,7 +70,12 @@ from xds.state import (
 with warnings.catch_warnings():
     # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
-    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
+    from envoy_data_plane.envoy.service.discovery.v3 import (
+        DeltaDiscoveryRequest,
+        DeltaDiscoveryResponse,
+        DiscoveryRequest,
+        DiscoveryResponse,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +175,208 @@ class AdsSession:
             yield pb.encode_discovery_response(version, type_url, nonce, chosen.values())
 
 
+class ResourceVersions:
+    """Version of a packed resource: a content hash, memoized by the bytes object.
+
+    Resources are shared between nodes and streams, so each distinct bytes object is hashed
+    once, however many streams send it. The memo is keyed by the bytes themselves: CPython
+    caches a bytes object's hash, and a dict lookup with the very same object is an identity
+    check, so a hit costs no more than a lookup by ``id``. Bounded: two generations of at most
+    ``limit`` entries each; an entry unused for a whole generation is dropped (and hashed again
+    if it ever comes back).
+    """
+
+    __slots__ = ("_current", "_limit", "_previous", "hashed")
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._current: dict[bytes, str] = {}
+        self._previous: dict[bytes, str] = {}
+        self._limit = limit
+        self.hashed = 0  # resources actually hashed (tests and benchmarks read it)
+
+    def __call__(self, packed: bytes) -> str:
+        version = self._current.get(packed)
+        if version is not None:
+            return version
+        version = self._previous.get(packed)
+        if version is None:
+            version = hashlib.blake2b(packed, digest_size=8).hexdigest()
+            self.hashed += 1
+        if len(self._current) >= self._limit:
+            self._previous, self._current = self._current, {}
+        self._current[packed] = version
+        return version
+
+
+@dataclass(slots=True)
+class _DeltaSent:
+    at: float
+    answered: bool = False
+
+
+@dataclass(slots=True)
+class _DeltaType:
+    wildcard: bool = False
+    names: set[str] = field(default_factory=set)  # explicit subscriptions
+    # name -> version last given to the client (or reported by it on a new stream)
+    have: dict[str, str] = field(default_factory=dict)
+    due: set[str] = field(default_factory=set)  # answer about these whatever their version
+    answer: bool = False  # answer the next diff even if it is empty (a new wildcard)
+    seen: Mapping[str, bytes] | None = None  # the snapshot mapping last diffed, and its version
+    seen_version: str = ""
+    sent: dict[str, _DeltaSent] = field(default_factory=dict)
+
+
+class DeltaSession:
+    """The protocol state of one incremental (delta) ADS stream."""
+
+    def __init__(
+        self,
+        node: str,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        versions: ResourceVersions,
+    ) -> None:
+        self.node = node
+        self._metrics = metrics
+        self._clock = clock
+        self._versions = versions
+        self._types: dict[TypeUrl, _DeltaType] = {}
+        self._nonce = 0
+        self.nacks: list[tuple[TypeUrl, str]] = []  # (type, Envoy's message), newest last
+
+    def on_request(self, req: DeltaDiscoveryRequest) -> None:
+        try:
+            type_url = TypeUrl(req.type_url)
+        except ValueError:
+            log.warning("node %s requested unsupported type %r", self.node, req.type_url)
+            return
+        st = self._types.get(type_url)
+        if req.response_nonce and st is not None:
+            sent = st.sent.get(req.response_nonce)
+            if sent is not None and not sent.answered:
+                sent.answered = True
+                self._classify(type_url, req, sent)
+        subscribe, unsubscribe = req.resource_names_subscribe, req.resource_names_unsubscribe
+        if st is None:
+            st = self._types[type_url] = _DeltaType()
+            # the legacy wildcard: a first request naming nothing (Envoy's CDS and LDS)
+            if not subscribe and not unsubscribe and type_url in WILDCARD_TYPES:
+                st.wildcard = st.answer = True
+            initial = req.initial_resource_versions
+            for name in subscribe:
+                if name == "*":
+                    st.wildcard = st.answer = True
+                    continue
+                st.names.add(name)
+                if name not in initial:
+                    st.due.add(name)  # a name the client holds no version of: answer it
+            st.have = {
+                name: version
+                for name, version in initial.items()
+                if version and (st.wildcard or name in st.names)
+            }
+            subscribe = []
+        for name in subscribe:
+            if name == "*":
+                st.wildcard = st.answer = True
+            else:
+                st.names.add(name)
+                st.due.add(name)  # subscribed (again): the client must get it, or its absence
+        for name in unsubscribe:
+            if name == "*":
+                st.wildcard = False
+                st.have = {n: v for n, v in st.have.items() if n in st.names}
+                continue
+            st.names.discard(name)
+            st.due.discard(name)
+            if st.wildcard:
+                st.due.add(name)  # still in the wildcard or not: the client must be told
+            else:
+                st.have.pop(name, None)
+
+    def _classify(self, type_url: TypeUrl, req: DeltaDiscoveryRequest, sent: _DeltaSent) -> None:
+        if req.error_detail is not None:
+            message = req.error_detail.message
+            self._metrics.xds_nacks.labels(type_url.short).inc()
+            self.nacks.append((type_url, message))
+            del self.nacks[:-16]
+            log.warning(
+                "node %s rejected delta %s (nonce %s): %s",
+                self.node,
+                type_url.short,
+                req.response_nonce,
+                message,
+            )
+        else:
+            self._metrics.xds_push_ack_seconds.labels(type_url.short).observe(
+                max(0.0, self._clock() - sent.at)
+            )
+
+    def _diff(
+        self, st: _DeltaType, available: Mapping[str, bytes]
+    ) -> tuple[list[tuple[str, str, bytes]], list[str]]:
+        version_of = self._versions
+        have, due = st.have, st.due
+        changed: list[tuple[str, str, bytes]] = []
+        removed: list[str] = []
+        if st.wildcard:
+            for name, packed in available.items():
+                version = version_of(packed)
+                if name in due or have.get(name) != version:
+                    changed.append((name, version, packed))
+            removed = [n for n in have if n not in available]
+            removed.extend(n for n in due if n not in available and n not in have)
+        else:
+            for name in sorted(st.names):
+                found = available.get(name)
+                if found is None:
+                    if name in have or name in due:
+                        removed.append(name)
+                    continue
+                version = version_of(found)
+                if name in due or have.get(name) != version:
+                    changed.append((name, version, found))
+        return changed, removed
+
+    def responses(self, snapshot: Snapshot) -> Iterator[bytes]:
+        """Encoded DeltaDiscoveryResponses now due, in ADS order (a generator, as in
+        :meth:`AdsSession.responses`)."""
+        for type_url in ADS_ORDER:
+            st = self._types.get(type_url)
+            if st is None:
+                continue
+            available = snapshot.get(type_url)
+            version = snapshot.version(type_url)
+            if (
+                not st.due
+                and not st.answer
+                and (available is st.seen or (version and version == st.seen_version))
+            ):
+                continue
+            changed, removed = self._diff(st, available)
+            answer = st.answer
+            st.seen, st.seen_version = available, version
+            st.due.clear()
+            st.answer = False
+            if not changed and not removed and not answer:
+                continue
+            for name, resource_version, _ in changed:
+                st.have[name] = resource_version
+            for name in removed:
+                st.have.pop(name, None)
+            self._nonce += 1
+            nonce = str(self._nonce)
+            st.sent[nonce] = _DeltaSent(self._clock())
+            if len(st.sent) > _NONCES_KEPT:
+                del st.sent[next(iter(st.sent))]
+            yield pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
+
+
 class AdsServer:
-    """grpclib service: envoy.service.discovery.v3.AggregatedDiscoveryService (SotW only)."""
+    """grpclib service: envoy.service.discovery.v3.AggregatedDiscoveryService, both RPCs
+    (``StreamAggregatedResources``, state-of-the-world; ``DeltaAggregatedResources``,
+    incremental) from one cache, authorized by one ``authorize`` callback."""
 
     def __init__(
         self,
@@ -159,11 +384,13 @@ class AdsServer:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         authorize: Authorize | None = None,
+        versions: ResourceVersions | None = None,
     ) -> None:
         self._cache = cache
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._authorize = authorize
+        self.versions = versions or ResourceVersions()
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -172,32 +399,54 @@ class AdsServer:
                 grpclib.const.Cardinality.STREAM_STREAM,
                 DiscoveryRequest,
                 pb.Encoded,
-            )
+            ),
+            f"/{ADS_SERVICE}/DeltaAggregatedResources": grpclib.const.Handler(
+                self.delta_aggregated_resources,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                DeltaDiscoveryRequest,
+                pb.Encoded,
+            ),
         }
+
+    def _node_key(self, stream: grpclib.server.Stream[Any, Any]) -> Callable[[_Request], str]:
+        """The node a stream serves: the first request's node id, which the client's
+        certificate must name when an ``authorize`` callback is set."""
+        authorize = self._authorize
+        if authorize is None:
+            return _node_id
+        uris = peer_uri_sans(stream.peer.cert())
+
+        def node_key(first: _Request) -> str:
+            node = _node_id(first)
+            if not authorize(node, uris):
+                raise GRPCError(
+                    grpclib.const.Status.PERMISSION_DENIED,
+                    f"the client certificate does not identify node {node!r}",
+                )
+            return node
+
+        return node_key
 
     async def stream_aggregated_resources(
         self, stream: grpclib.server.Stream[DiscoveryRequest, pb.Encoded]
     ) -> None:
-        authorize = self._authorize
-        if authorize is None:
-            node_key = _node_id
-        else:
-            uris = peer_uri_sans(stream.peer.cert())
+        await serve_sotw_stream(
+            stream, self._cache, self._metrics, self._clock, self._node_key(stream)
+        )
 
-            def node_key(first: DiscoveryRequest) -> str:
-                node = _node_id(first)
-                if not authorize(node, uris):
-                    raise GRPCError(
-                        grpclib.const.Status.PERMISSION_DENIED,
-                        f"the client certificate does not identify node {node!r}",
-                    )
-                return node
-
-        await serve_sotw_stream(stream, self._cache, self._metrics, self._clock, node_key)
+    async def delta_aggregated_resources(
+        self, stream: grpclib.server.Stream[DeltaDiscoveryRequest, pb.Encoded]
+    ) -> None:
+        await serve_delta_stream(
+            stream, self._cache, self._metrics, self._clock, self._node_key(stream), self.versions
+        )
 
 
 Authorize = Callable[[str, tuple[str, ...]], bool]
 """May the client whose certificate carries these URI SANs fetch node ``node``'s config?"""
+
+_Request = DiscoveryRequest | DeltaDiscoveryRequest
+_Req = TypeVar("_Req", DiscoveryRequest, DeltaDiscoveryRequest)
 
 
 def peer_uri_sans(cert: Mapping[str, Any] | None) -> tuple[str, ...]:
@@ -207,11 +456,20 @@ def peer_uri_sans(cert: Mapping[str, Any] | None) -> tuple[str, ...]:
     return tuple(v for k, v in cert.get("subjectAltName", ()) if k == "URI")
 
 
-def _node_id(first: DiscoveryRequest) -> str:
+def _node_id(first: _Request) -> str:
     node = first.node.id if first.node is not None else ""
     if not node:
         raise GRPCError(grpclib.const.Status.INVALID_ARGUMENT, "node.id is required")
     return str(node)
+
+
+_ReqIn = TypeVar("_ReqIn", contravariant=True)
+
+
+class _Session(Protocol[_ReqIn]):
+    def on_request(self, req: _ReqIn, /) -> None: ...
+
+    def responses(self, snapshot: Snapshot, /) -> Iterator[bytes]: ...
 
 
 async def serve_sotw_stream(
@@ -227,7 +485,34 @@ async def serve_sotw_stream(
     if first is None:
         return
     node = node_key(first)
-    session = AdsSession(node, metrics, clock)
+    await _serve(stream, cache, metrics, node, AdsSession(node, metrics, clock), first)
+
+
+async def serve_delta_stream(
+    stream: grpclib.server.Stream[DeltaDiscoveryRequest, pb.Encoded],
+    cache: SnapshotCache,
+    metrics: Metrics,
+    clock: Callable[[], float],
+    node_key: Callable[[DeltaDiscoveryRequest], str],
+    versions: ResourceVersions,
+) -> None:
+    """Serve one incremental (delta) stream from ``cache[node_key(first request)]`` until the
+    client closes it."""
+    first = await stream.recv_message()
+    if first is None:
+        return
+    node = node_key(first)
+    await _serve(stream, cache, metrics, node, DeltaSession(node, metrics, clock, versions), first)
+
+
+async def _serve(
+    stream: grpclib.server.Stream[_Req, pb.Encoded],
+    cache: SnapshotCache,
+    metrics: Metrics,
+    node: str,
+    session: _Session[_Req],
+    first: _Req,
+) -> None:
     session.on_request(first)
     closed = False
     metrics.xds_streams.inc()
@@ -278,7 +563,21 @@ def warm() -> None:
     for type_url in TypeUrl:
         encoded = pb.encode_discovery_response("v", type_url, "1", snapshot.get(type_url).values())
         DiscoveryResponse.parse(encoded)
-    pb.warm([lambda: DiscoveryRequest(version_info="v", type_url=TypeUrl.CLUSTER)])
+        delta = pb.encode_delta_discovery_response(
+            "v", type_url, "1", [(n, "v", r) for n, r in snapshot.get(type_url).items()], ["x"]
+        )
+        DeltaDiscoveryResponse.parse(delta)
+    pb.warm(
+        [
+            lambda: DiscoveryRequest(version_info="v", type_url=TypeUrl.CLUSTER),
+            lambda: DeltaDiscoveryRequest(
+                type_url=TypeUrl.CLUSTER,
+                resource_names_subscribe=["a"],
+                initial_resource_versions={"a": "v"},
+                response_nonce="1",
+            ),
+        ]
+    )
 
 
 async def start_ads(
@@ -297,4 +596,15 @@ async def start_ads(
     return server, ads
 
 
-__all__ = ["AdsServer", "AdsSession", "serve_sotw_stream", "start_ads", "warm"]
+__all__ = [
+    "AdsServer",
+    "AdsSession",
+    "Authorize",
+    "DeltaSession",
+    "ResourceVersions",
+    "peer_uri_sans",
+    "serve_delta_stream",
+    "serve_sotw_stream",
+    "start_ads",
+    "warm",
+]
