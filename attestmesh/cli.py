@@ -146,7 +146,13 @@ def _agent(args: argparse.Namespace) -> int:
 
 def _bootstrap(args: argparse.Namespace) -> int:
     from attestmesh.serve import control_plane_spiffe_id
-    from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap, render_bootstrap
+    from sidecar.bootstrap import (
+        ControlPlaneAddress,
+        XdsProtocol,
+        XdsTls,
+        build_bootstrap,
+        render_bootstrap,
+    )
 
     host, _, port = args.xds.rpartition(":")
     if not host or not port.isdigit():
@@ -166,6 +172,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
             args.sds_socket,
             args.admin_port,
             xds_tls=tls,
+            xds_protocol=XdsProtocol(args.xds_protocol),
         )
     )
     if args.output:
@@ -305,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trust-domain", default="attestmesh.local")
     b.add_argument(
         "--xds-plaintext", action="store_true", help="no TLS to the control plane (loopback only)"
+    )
+    b.add_argument(
+        "--xds-protocol",
+        choices=("delta", "sotw"),
+        default="delta",
+        help="ADS variant: incremental (delta, default) or state-of-the-world",
     )
     b.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     b.set_defaults(func=_bootstrap)

@@ -6,6 +6,7 @@ the workload certificate arrives from the sidecar's own SDS socket.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import json
 from dataclasses import dataclass
@@ -13,6 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from xds.resources import SDS_CLUSTER, WORKLOAD_CERT, XDS_CLUSTER
+
+
+class XdsProtocol(enum.StrEnum):
+    """How the sidecar's Envoy speaks ADS: incremental (delta, the default: a change sends only
+    the changed resources) or state-of-the-world."""
+
+    DELTA = "delta"
+    SOTW = "sotw"
+
+    @property
+    def api_type(self) -> str:
+        return "DELTA_GRPC" if self is XdsProtocol.DELTA else "GRPC"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +119,11 @@ def build_bootstrap(
     initial_fetch_timeout_s: float = 15.0,
     connect_timeout_s: float = 1.0,
     xds_tls: XdsTls | None = None,
+    xds_protocol: XdsProtocol = XdsProtocol.DELTA,
 ) -> dict[str, Any]:
-    """Bootstrap of the Envoy whose node id is ``node`` (= its Registration name)."""
+    """Bootstrap of the Envoy whose node id is ``node`` (= its Registration name).
+
+    ADS speaks ``xds_protocol`` (delta by default); the local SDS stays state-of-the-world."""
     ads = {
         "ads": {},
         "resource_api_version": "V3",
@@ -137,7 +153,7 @@ def build_bootstrap(
         },
         "dynamic_resources": {
             "ads_config": {
-                "api_type": "GRPC",
+                "api_type": XdsProtocol(xds_protocol).api_type,
                 "transport_api_version": "V3",
                 "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
                 "set_node_on_first_message_only": True,
@@ -152,4 +168,4 @@ def render_bootstrap(bootstrap: dict[str, Any]) -> str:
     return json.dumps(bootstrap, indent=2, sort_keys=True)
 
 
-__all__ = ["ControlPlaneAddress", "XdsTls", "build_bootstrap", "render_bootstrap"]
+__all__ = ["ControlPlaneAddress", "XdsProtocol", "XdsTls", "build_bootstrap", "render_bootstrap"]
