@@ -339,6 +339,17 @@ class DeltaSession:
                     changed.append((name, version, found))
         return changed, removed
 
+    def _eds_after_cds(self, clusters: list[tuple[str, str, bytes]]) -> None:
+        # An updated EDS cluster warms only on an EDS response; with delta, Envoy does not ask
+        # again (the name is already subscribed): answer it unasked, right after the CDS one.
+        # (The cluster's EDS name is its own name: build sets no eds service_name.)
+        eds = self._types.get(TypeUrl.ENDPOINT)
+        if eds is None:
+            return
+        for name, _, _ in clusters:
+            if name in eds.names or (eds.wildcard and name in eds.have):
+                eds.due.add(name)
+
     def responses(self, snapshot: Snapshot) -> Iterator[bytes]:
         """Encoded DeltaDiscoveryResponses now due, in ADS order (a generator, as in
         :meth:`AdsSession.responses`)."""
@@ -365,6 +376,8 @@ class DeltaSession:
                 st.have[name] = resource_version
             for name in removed:
                 st.have.pop(name, None)
+            if type_url is TypeUrl.CLUSTER and changed:
+                self._eds_after_cds(changed)
             self._nonce += 1
             nonce = str(self._nonce)
             st.sent[nonce] = _DeltaSent(self._clock())
