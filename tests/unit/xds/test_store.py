@@ -23,7 +23,7 @@ from xds.state import (
     register,
     release,
 )
-from xds.store import SqliteStore, workload_from_doc, workload_to_doc
+from xds.store import SqliteStore, StoreError, workload_from_doc, workload_to_doc
 
 H = timedelta(hours=1)
 BIG_SERIAL = 2**159 - 1  # serials exceed 64 bits
@@ -162,8 +162,7 @@ def test_a_failure_mid_transaction_leaves_the_previous_state(store: SqliteStore,
     store.save(s0, s2, [])
     before = _rows(db)
 
-    # The workload row and the revocation are written before the events; a bad event fails
-    # the last statement of the transaction.
+    # A batch that cannot be encoded (an event without a time) fails before any row is written.
     bad = [*events, Event(EventKind.RELEASED, "web-1", None)]  # type: ignore[arg-type]
     with pytest.raises(AttributeError):
         store.save(s2, s3, bad)
@@ -213,8 +212,10 @@ def test_injected_executemany_failure_rolls_back(
     store.save(s0, s2, [])
     before = _rows(db)
     monkeypatch.setattr(store, "_db", _Connection(store._db, fail_at))
-    with pytest.raises(sqlite3.OperationalError, match="injected"):
+    with pytest.raises(StoreError, match="injected") as failed:
         store.save(s2, s3, events)
+    assert failed.value.reason == "store_commit_failed"
+    assert isinstance(failed.value.__cause__, sqlite3.OperationalError)
     monkeypatch.undo()
     assert store.load(TRUST_DOMAIN) == s2
     assert _rows(db) == before
