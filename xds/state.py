@@ -64,6 +64,7 @@ class Registration:
     labels: Mapping[str, str] = field(default_factory=dict)
     token_sha256: str | None = None
     ready: bool = True
+    pod_uid: str | None = None  # Kubernetes: the pod's metadata.uid (tokens are bound to it)
 
     def spiffe_id(self, trust_domain: str) -> str:
         return spiffe_id(trust_domain, self.namespace, self.service_account)
