@@ -241,6 +241,7 @@ def workload_to_doc(w: WorkloadState) -> dict[str, Any]:
             "labels": dict(r.labels),
             "token_sha256": r.token_sha256,
             "ready": r.ready,
+            "pod_uid": r.pod_uid,
         },
         "status": w.status.value,
         "attestation": None
@@ -283,6 +284,7 @@ def workload_from_doc(doc: dict[str, Any]) -> WorkloadState:
             labels=r["labels"],
             token_sha256=r["token_sha256"],
             ready=bool(r.get("ready", True)),  # absent in documents written before readiness
+            pod_uid=r.get("pod_uid"),  # absent in documents written before pod binding
         ),
         status=_STATUS[doc["status"]],
         attestation=None
