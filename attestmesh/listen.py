@@ -1,0 +1,611 @@
+"""Hardened listening sockets: every port is hostile until it has authenticated.
+
+One frozen ``ListenLimits`` configures every listener (attestation API, xDS, ops, webhook):
+
+- admission at accept, before any TLS byte: a cap on open connections per listener and per
+  source address (an IPv6 source counts by its /64); an excess connection is closed at once
+  and reported to ``on_refused``;
+- TLS: a handshake timeout, and a small per-connection read buffer (asyncio's SSLProtocol
+  allocates 256 KiB per connection; see ``_LeanSSLProtocol``);
+- HTTP/1.1 (aiohttp): idle timeout (no request in flight: keep-alive, or a TLS connection that
+  never sends), header timeout (first byte of a request to its complete header) and body timeout
+  (complete header to complete body: a dripped body);
+- HTTP/2 (grpclib, xDS): SETTINGS_MAX_CONCURRENT_STREAMS, a bounded header list and small flow
+  control windows advertised in the first SETTINGS frame, and an idle timeout for a connection
+  that has no open stream.
+
+Connections closed by a timeout are reported to ``on_refused`` too, with the timeout as the
+reason. This module imports no metrics library: the caller maps reasons to counters.
+
+Seams on foreign internals, each checked by tests/component/test_listen.py:
+``asyncio.sslproto.SSLProtocol`` (Python 3.11-3.13: its constructor and ``max_size``), grpclib
+0.4's ``Server`` (``_protocol_factory``, ``_server``, ``_server_closed_fut``) and ``H2Protocol``,
+and aiohttp 3's ``RequestHandler`` state (request count, request in progress, current request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import ipaddress
+import logging
+import socket
+import ssl as _ssl
+import sys
+from asyncio import sslproto
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CloseReason",
+    "ListenLimits",
+    "Listener",
+    "ListenerStats",
+    "OnRefused",
+    "Site",
+    "start_aiohttp",
+    "start_grpc",
+]
+
+
+class CloseReason(enum.StrEnum):
+    """Why a connection was refused or closed by the listener (a bounded metric label)."""
+
+    MAX_CONNECTIONS = "max_connections"
+    MAX_PER_SOURCE = "max_per_source"
+    HANDSHAKE_TIMEOUT = "handshake_timeout"
+    HEADER_TIMEOUT = "header_timeout"
+    BODY_TIMEOUT = "body_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+
+
+OnRefused = Callable[[str, CloseReason], None]
+"""``on_refused(listener_name, reason)``: called once per refused or timed-out connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenLimits:
+    """Limits for one listening port. Times are seconds.
+
+    Memory under attack is bounded by ``max_connections`` x the cost of one connection (about
+    20-40 KB with the default ``tls_read_buffer``; see benchmarks/bench_connections.py); one
+    source can hold at most ``max_connections_per_source`` of them."""
+
+    handshake_timeout: float = 10.0  # accept -> TLS handshake complete (also TLS shutdown)
+    header_timeout: float = 10.0  # first byte of a request -> its complete header
+    body_timeout: float = 30.0  # complete header -> complete body
+    idle_timeout: float = 60.0  # nothing in flight: keep-alive, silent TLS, HTTP/2 without stream
+    max_connections: int = 10_000  # open connections on this listener
+    max_connections_per_source: int = 1_024  # per source IPv4 address / IPv6 /64
+    max_streams_per_connection: int = 16  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
+    max_header_list_size: int = 16_384  # HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE
+    http2_window: int = 65_535  # HTTP/2 initial stream and connection receive windows
+    tls_read_buffer: int = 4_096  # bytes read from the socket at once per TLS connection
+    backlog: int = 1_024  # listen(2) backlog
+
+    def __post_init__(self) -> None:
+        problems = [f.name for f in fields(self) if not getattr(self, f.name) > 0]
+        if self.http2_window < 65_535:
+            problems.append("http2_window (at least 65535, the HTTP/2 minimum)")
+        if self.tls_read_buffer < 1024:
+            problems.append("tls_read_buffer (at least 1024)")
+        if problems:
+            raise ValueError(f"ListenLimits: must be positive/in range: {', '.join(problems)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerStats:
+    open: int
+    sources: int
+    closed: dict[CloseReason, int]
+
+
+class _Phase(enum.Enum):
+    IDLE = enum.auto()  # nothing in flight
+    HEADER = enum.auto()  # part of a request header received
+    BODY = enum.auto()  # header complete, body not yet complete
+    BUSY = enum.auto()  # the application is working (request complete, or a stream is open)
+
+
+_PHASE_REASON = {
+    _Phase.IDLE: CloseReason.IDLE_TIMEOUT,
+    _Phase.HEADER: CloseReason.HEADER_TIMEOUT,
+    _Phase.BODY: CloseReason.BODY_TIMEOUT,
+}
+
+
+class _Probe(Protocol):
+    def __call__(self, app: Any, received: bool) -> tuple[_Phase, object]:
+        """The application's phase, and a key that changes whenever a new phase begins."""
+        ...
+
+
+def _source_key(peer: object) -> str | None:
+    """The per-source bucket: an IPv4 address, or an IPv6 /64 (one host holds a whole /64)."""
+    if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
+        return None
+    try:
+        addr = ipaddress.ip_address(peer[0].split("%", 1)[0])
+    except ValueError:
+        return peer[0]
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+class _Listener:
+    """Admission and accounting for one listening port."""
+
+    def __init__(
+        self,
+        name: str,
+        limits: ListenLimits,
+        tls: _ssl.SSLContext | None,
+        app_factory: Callable[[], asyncio.Protocol],
+        probe: _Probe,
+        on_refused: OnRefused | None,
+    ) -> None:
+        self.name = name
+        self.limits = limits
+        self.tls = tls
+        self.app_factory = app_factory
+        self.probe = probe
+        self.on_refused = on_refused
+        self.loop = asyncio.get_running_loop()
+        self.open = 0
+        self.per_source: dict[str, int] = {}
+        self.closed: dict[CloseReason, int] = {}
+
+    def report(self, reason: CloseReason) -> None:
+        self.closed[reason] = self.closed.get(reason, 0) + 1
+        if self.on_refused is not None:
+            try:
+                self.on_refused(self.name, reason)
+            except Exception:  # a metrics callback must not break the accept path
+                log.exception("on_refused callback failed")
+
+    def admit(self, source: str | None) -> CloseReason | None:
+        if self.open >= self.limits.max_connections:
+            return CloseReason.MAX_CONNECTIONS
+        if source is not None:
+            n = self.per_source.get(source, 0)
+            if n >= self.limits.max_connections_per_source:
+                return CloseReason.MAX_PER_SOURCE
+            self.per_source[source] = n + 1
+        self.open += 1
+        return None
+
+    def release(self, source: str | None) -> None:
+        self.open -= 1
+        if source is not None:
+            n = self.per_source[source] - 1
+            if n:
+                self.per_source[source] = n
+            else:
+                del self.per_source[source]
+
+    def stats(self) -> ListenerStats:
+        return ListenerStats(self.open, len(self.per_source), dict(self.closed))
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Admission(self)
+
+
+class _Admission(asyncio.Protocol):
+    """The first protocol of every accepted socket: admits it (or closes it) before anything
+    is allocated for it, then hands the socket to TLS or straight to the guarded application."""
+
+    __slots__ = ("_listener",)
+
+    def __init__(self, listener: _Listener) -> None:
+        self._listener = listener
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        lst = self._listener
+        source = _source_key(transport.get_extra_info("peername"))
+        refused = lst.admit(source)
+        assert isinstance(transport, asyncio.Transport)
+        if refused is not None:
+            transport.abort()
+            lst.report(refused)
+            return
+        try:
+            guard = _Guard(lst, lst.app_factory())
+            top: asyncio.BaseProtocol
+            if lst.tls is None:
+                guard.source = source
+                guard.owner = True
+                top = guard
+            else:
+                top = _make_tls(lst, guard, source)
+        except BaseException:
+            lst.release(source)
+            transport.abort()
+            raise
+        transport.set_protocol(top)
+        top.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass  # refused: nothing was admitted
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+# asyncio.sslproto.SSLProtocol reads max_size (a class attribute, 256 KiB) in __init__ to size
+# the per-connection buffer it reads the socket into, in get_buffer, and as the chunk size of
+# its copying read path. Shadowing it per instance before __init__ shrinks the buffer for this
+# listener's connections only. Checked on the versions whose sslproto.py has that shape.
+_LEAN_TLS = sys.version_info[:2] in ((3, 11), (3, 12), (3, 13)) and isinstance(
+    vars(sslproto.SSLProtocol).get("max_size"), int
+)
+
+
+class _LeanSSLProtocol(sslproto.SSLProtocol):
+    """asyncio's server-side TLS protocol with a small read buffer and slot accounting."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        guard: _Guard,
+        context: _ssl.SSLContext,
+        limits: ListenLimits,
+        listener: _Listener,
+        source: str | None,
+    ) -> None:
+        if _LEAN_TLS:
+            self.max_size = limits.tls_read_buffer  # type: ignore[misc]  # see _LEAN_TLS
+        super().__init__(
+            loop,
+            guard,
+            context,
+            None,  # type: ignore[arg-type]  # no waiter: nobody awaits a server handshake
+            server_side=True,
+            ssl_handshake_timeout=limits.handshake_timeout,  # type: ignore[arg-type]
+            ssl_shutdown_timeout=limits.handshake_timeout,
+        )
+        self._am_listener = listener
+        self._am_source = source
+        self._am_started = loop.time()
+        self._am_guard = guard
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        try:
+            super().connection_lost(exc)
+        finally:
+            lst = self._am_listener
+            lst.release(self._am_source)
+            if not self._am_guard.established:
+                elapsed = lst.loop.time() - self._am_started
+                if elapsed >= lst.limits.handshake_timeout * 0.99:
+                    lst.report(CloseReason.HANDSHAKE_TIMEOUT)
+
+
+def _make_tls(lst: _Listener, guard: _Guard, source: str | None) -> asyncio.BaseProtocol:
+    assert lst.tls is not None
+    return _LeanSSLProtocol(lst.loop, guard, lst.tls, lst.limits, lst, source)
+
+
+# -- timeouts ----------------------------------------------------------------------------------
+
+
+class _Guard(asyncio.Protocol):
+    """Sits between the transport (TCP or TLS) and the application protocol; closes the
+    connection when its current phase (per ``probe``) outlasts that phase's timeout."""
+
+    __slots__ = (
+        "_app",
+        "_deadline_at",
+        "_key",
+        "_listener",
+        "_since",
+        "_timer",
+        "_transport",
+        "established",
+        "owner",
+        "received",
+        "source",
+    )
+
+    def __init__(self, listener: _Listener, app: asyncio.Protocol) -> None:
+        self._listener = listener
+        self._app = app
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline_at = 0.0
+        self._key: object = None
+        self._since = 0.0
+        self.established = False  # connection_made reached the application
+        self.owner = False  # plain TCP: this protocol holds the admission slot
+        self.source: str | None = None
+        self.received = False  # bytes arrived while the application waited for a request
+
+    @property
+    def app(self) -> asyncio.Protocol:
+        return self._app
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self.established = True
+        self._since = self._listener.loop.time()
+        self._app.connection_made(transport)
+        self._observe()
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        self._app.data_received(data)
+        self._observe()
+
+    def eof_received(self) -> bool | None:
+        return self._app.eof_received()
+
+    def pause_writing(self) -> None:
+        self._app.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._app.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport = None
+        try:
+            self._app.connection_lost(exc)
+        finally:
+            if self.owner:
+                self.owner = False
+                self._listener.release(self.source)
+
+    def _timeout(self, phase: _Phase) -> float | None:
+        lim = self._listener.limits
+        if phase is _Phase.IDLE:
+            return lim.idle_timeout
+        if phase is _Phase.HEADER:
+            return lim.header_timeout
+        if phase is _Phase.BODY:
+            return lim.body_timeout
+        return None
+
+    def _observe(self) -> None:
+        if self._transport is None:
+            return
+        lst = self._listener
+        phase, key = lst.probe(self._app, self.received)
+        if phase is _Phase.BODY or phase is _Phase.BUSY:
+            self.received = False
+        now = lst.loop.time()
+        if key != self._key:
+            self._key = key
+            self._since = now
+        timeout = self._timeout(phase)
+        if timeout is None:
+            # nothing to enforce now; look again later (a phase may begin without a byte)
+            lim = lst.limits
+            due = now + min(lim.idle_timeout, lim.header_timeout, lim.body_timeout)
+        else:
+            due = self._since + timeout
+            if now >= due:
+                self._close(phase)
+                return
+        if self._timer is None or due < self._deadline_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._deadline_at = due
+            self._timer = lst.loop.call_at(due, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._observe()
+
+    def _close(self, phase: _Phase) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        self._listener.report(_PHASE_REASON[phase])
+        transport.abort()
+
+
+# -- aiohttp -----------------------------------------------------------------------------------
+
+_AIOHTTP_STATE = ("_request_count", "_request_in_progress", "_current_request", "_messages")
+_AIOHTTP_OK = all(a in getattr(RequestHandler, "__slots__", ()) for a in _AIOHTTP_STATE)
+
+
+def _http1_phase(app: Any, received: bool) -> tuple[_Phase, object]:
+    """aiohttp's RequestHandler: waiting for a request (idle, or header under way), or
+    handling one (body still arriving, or the application working)."""
+    if not _AIOHTTP_OK:  # unknown aiohttp: only silence is enforced
+        return (_Phase.HEADER if received else _Phase.IDLE), received
+    count = app._request_count
+    if app._request_in_progress:
+        req = app._current_request
+        if req is not None and not req.content.is_eof():
+            return _Phase.BODY, count  # same key as BUSY: the body's clock started with it
+        return _Phase.BUSY, count
+    if app._messages:
+        return _Phase.BUSY, count
+    if received:
+        return _Phase.HEADER, (count, True)
+    return _Phase.IDLE, (count, False)
+
+
+class Site(web.BaseSite):
+    """An aiohttp site on a hardened listener; ``runner.cleanup()`` stops it as any site."""
+
+    __slots__ = ("_host", "_limits", "_listener", "_name", "_on_refused", "_port")
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        tls: _ssl.SSLContext | None,
+        limits: ListenLimits,
+        name: str,
+        on_refused: OnRefused | None,
+    ) -> None:
+        super().__init__(runner, ssl_context=tls, backlog=limits.backlog)
+        self._host = host
+        self._port = port
+        self._listener: _Listener | None = None
+        self._limits = limits
+        self._name = name
+        self._on_refused = on_refused
+
+    @property
+    def name(self) -> str:
+        scheme = "https" if self._ssl_context else "http"
+        return f"{scheme}://{self._host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful when 0 was asked for)."""
+        return _bound_port(self._server)
+
+    def stats(self) -> ListenerStats:
+        assert self._listener is not None
+        return self._listener.stats()
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._listener = _Listener(
+            self._name, self._limits, self._ssl_context, server, _http1_phase, self._on_refused
+        )
+        self._server = await asyncio.get_running_loop().create_server(
+            self._listener, self._host, self._port, backlog=self._backlog
+        )
+
+
+def _bound_port(server: asyncio.AbstractServer | None) -> int:
+    sockets = getattr(server, "sockets", None) or ()
+    return int(sockets[0].getsockname()[1]) if sockets else 0
+
+
+async def start_aiohttp(
+    runner: web.BaseRunner,
+    host: str,
+    port: int,
+    *,
+    ssl: _ssl.SSLContext | None,
+    limits: ListenLimits,
+    name: str,
+    on_refused: OnRefused | None = None,
+) -> Site:
+    """Serve a set-up aiohttp runner on ``host:port`` with ``limits``; returns the started
+    site (``site.port`` is the bound port). ``runner.cleanup()`` stops it."""
+    site = Site(runner, host, port, ssl, limits, name, on_refused)
+    await site.start()
+    return site
+
+
+# -- grpclib -----------------------------------------------------------------------------------
+
+
+def _h2_protocol_class() -> type[Any]:
+    from grpclib.protocol import Connection, EventsProcessor, H2Protocol
+    from h2.connection import H2Connection
+    from h2.settings import SettingCodes, Settings
+
+    class LimitedH2Protocol(H2Protocol):
+        """grpclib's server protocol whose first SETTINGS frame carries the limits (grpclib
+        sends h2's defaults: 100 streams, 64 KiB header lists, then its 4 MiB windows)."""
+
+        limits: ListenLimits
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            lim = self.limits
+            h2_conn = H2Connection(config=self.h2_config)
+            h2_conn.local_settings = Settings(
+                client=False,
+                initial_values={
+                    SettingCodes.MAX_CONCURRENT_STREAMS: lim.max_streams_per_connection,
+                    SettingCodes.MAX_HEADER_LIST_SIZE: lim.max_header_list_size,
+                    SettingCodes.INITIAL_WINDOW_SIZE: lim.http2_window,
+                },
+            )
+            h2_conn.decoder.max_header_list_size = lim.max_header_list_size
+            h2_conn.initiate_connection()
+            conn_delta = lim.http2_window - 65_535
+            if conn_delta:
+                h2_conn.increment_flow_control_window(conn_delta)
+            assert isinstance(transport, asyncio.Transport)
+            self.connection = Connection(h2_conn, transport, config=self.config)
+            self.connection.flush()
+            self.connection.initialize()
+            self.processor = EventsProcessor(self.handler, self.connection)
+
+    return LimitedH2Protocol
+
+
+def _h2_phase(app: Any, received: bool) -> tuple[_Phase, object]:
+    """An HTTP/2 connection is idle while it has no open stream."""
+    connection = getattr(app, "connection", None)
+    h2_conn = getattr(connection, "_connection", None)
+    if h2_conn is None:  # before connection_made, or after close
+        return _Phase.IDLE, None
+    busy = h2_conn.open_inbound_streams > 0
+    return (_Phase.BUSY if busy else _Phase.IDLE), (h2_conn.highest_inbound_stream_id, busy)
+
+
+class Listener:
+    """A started hardened listener (what ``start_grpc`` returns)."""
+
+    def __init__(self, server: asyncio.Server, listener: _Listener) -> None:
+        self._server = server
+        self._listener = listener
+
+    @property
+    def port(self) -> int:
+        return _bound_port(self._server)
+
+    def stats(self) -> ListenerStats:
+        return self._listener.stats()
+
+
+async def start_grpc(
+    server: Any,
+    host: str,
+    port: int,
+    *,
+    ssl: _ssl.SSLContext | None,
+    limits: ListenLimits,
+    name: str = "xds",
+    on_refused: OnRefused | None = None,
+) -> Listener:
+    """Start a ``grpclib.server.Server`` (instead of ``server.start``) on a hardened listener.
+    ``server.close()`` and ``server.wait_closed()`` work as after ``server.start``."""
+    for attr in ("_protocol_factory", "_server", "_server_closed_fut"):
+        if not hasattr(server, attr):
+            raise RuntimeError(f"unsupported grpclib version: Server has no {attr}")
+    if server._server is not None:
+        raise RuntimeError("Server is already started")
+    limited = _h2_protocol_class()
+
+    def app_factory() -> asyncio.Protocol:
+        inner = server._protocol_factory()  # registers the connection's handler with the server
+        proto = limited(inner.handler, inner.config, inner.h2_config)
+        proto.limits = limits
+        return proto  # type: ignore[no-any-return]
+
+    loop = asyncio.get_running_loop()
+    lst = _Listener(name, limits, ssl, app_factory, _h2_phase, on_refused)
+    srv = await loop.create_server(lst, host, port, backlog=limits.backlog)
+    server._server = srv
+    server._server_closed_fut = loop.create_future()
+    return Listener(srv, lst)
