@@ -208,6 +208,10 @@ class ResourceVersions:
         return version
 
 
+VersionOf = Callable[[bytes], str]
+"""The version of one packed resource (a content hash, stable across processes)."""
+
+
 @dataclass(slots=True)
 class _DeltaSent:
     at: float
@@ -235,7 +239,7 @@ class DeltaSession:
         node: str,
         metrics: Metrics,
         clock: Callable[[], float],
-        versions: ResourceVersions,
+        versions: VersionOf,
     ) -> None:
         self.node = node
         self._metrics = metrics
@@ -397,13 +401,13 @@ class AdsServer:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         authorize: Authorize | None = None,
-        versions: ResourceVersions | None = None,
+        versions: VersionOf | None = None,
     ) -> None:
         self._cache = cache
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._authorize = authorize
-        self.versions = versions or ResourceVersions()
+        self.versions: VersionOf = versions or ResourceVersions()
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -507,7 +511,7 @@ async def serve_delta_stream(
     metrics: Metrics,
     clock: Callable[[], float],
     node_key: Callable[[DeltaDiscoveryRequest], str],
-    versions: ResourceVersions,
+    versions: VersionOf,
 ) -> None:
     """Serve one incremental (delta) stream from ``cache[node_key(first request)]`` until the
     client closes it."""
@@ -615,6 +619,7 @@ __all__ = [
     "Authorize",
     "DeltaSession",
     "ResourceVersions",
+    "VersionOf",
     "peer_uri_sans",
     "serve_delta_stream",
     "serve_sotw_stream",
