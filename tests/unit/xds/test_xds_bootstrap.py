@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 from pydantic.warnings import PydanticDeprecatedSince212
 
-from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap, render_bootstrap
+from attestmesh.cli import main
+from sidecar.bootstrap import (
+    ControlPlaneAddress,
+    XdsProtocol,
+    XdsTls,
+    build_bootstrap,
+    render_bootstrap,
+)
 from tests.integration.envoy_harness import validate_config
 from tests.unit.xds.meshfixture import TRUST, allow, two_workloads
 from xds.build import build_snapshot
@@ -22,8 +29,10 @@ with warnings.catch_warnings():
     from envoy_data_plane.google.protobuf import Any as AnyMsg
 
 
-def bootstrap(sock: Path) -> dict[str, Any]:
-    return build_bootstrap("frontend", ControlPlaneAddress("127.0.0.1", 18000), sock, 19000)
+def bootstrap(sock: Path, **kwargs: Any) -> dict[str, Any]:
+    return build_bootstrap(
+        "frontend", ControlPlaneAddress("127.0.0.1", 18000), sock, 19000, **kwargs
+    )
 
 
 def test_bootstrap_shape(tmp_path: Path) -> None:
@@ -44,10 +53,51 @@ def test_bootstrap_shape(tmp_path: Path) -> None:
     assert json.loads(render_bootstrap(b)) == b
 
 
+def test_ads_is_delta_by_default_and_sotw_on_request(tmp_path: Path) -> None:
+    delta = bootstrap(tmp_path / "sds.sock")
+    assert delta["dynamic_resources"]["ads_config"]["api_type"] == "DELTA_GRPC"
+    sotw = bootstrap(tmp_path / "sds.sock", xds_protocol=XdsProtocol.SOTW)
+    assert sotw["dynamic_resources"]["ads_config"]["api_type"] == "GRPC"
+    # only the ADS variant differs; the local SDS (a SotW server in the sidecar) stays GRPC
+    sotw["dynamic_resources"]["ads_config"]["api_type"] = "DELTA_GRPC"
+    assert sotw == delta
+    tls = XdsTls(tmp_path / "root.pem", "spiffe://mesh.test/controlplane")
+    with_tls = bootstrap(tmp_path / "sds.sock", xds_tls=tls)
+    (xds,) = [c for c in with_tls["static_resources"]["clusters"] if c["name"] == "xds"]
+    common = xds["transport_socket"]["typed_config"]["common_tls_context"]
+    (cert_source,) = common["tls_certificate_sds_secret_configs"]
+    assert cert_source["sds_config"]["api_config_source"]["api_type"] == "GRPC"
+
+
+@pytest.mark.parametrize(
+    ("flag", "api_type"),
+    [
+        ([], "DELTA_GRPC"),
+        (["--xds-protocol", "delta"], "DELTA_GRPC"),
+        (["--xds-protocol", "sotw"], "GRPC"),
+    ],
+)
+def test_cli_xds_protocol_flag(tmp_path: Path, flag: list[str], api_type: str) -> None:
+    out = tmp_path / "envoy.json"
+    args = ["bootstrap", "--node", "web", "--xds", "127.0.0.1:18000", "--sds-socket", "s",
+            "--xds-plaintext", "-o", str(out), *flag]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads(out.read_text())["dynamic_resources"]["ads_config"]["api_type"] == api_type
+
+
+def test_cli_refuses_an_unknown_xds_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bootstrap", "--node", "w", "--xds", "127.0.0.1:1", "--sds-socket", "s",
+              "--xds-plaintext", "--xds-protocol", "rest"])  # fmt: skip
+    assert exc.value.code == 2
+    assert "--xds-protocol" in capsys.readouterr().err
+
+
 @pytest.mark.integration
-def test_envoy_accepts_bootstrap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("protocol", list(XdsProtocol))
+def test_envoy_accepts_bootstrap(tmp_path: Path, protocol: XdsProtocol) -> None:
     path = tmp_path / "bootstrap.json"
-    path.write_text(render_bootstrap(bootstrap(tmp_path / "sds.sock")))
+    path.write_text(render_bootstrap(bootstrap(tmp_path / "sds.sock", xds_protocol=protocol)))
     result = validate_config(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
