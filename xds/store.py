@@ -79,8 +79,10 @@ DEFAULT_MAX_EVENTS = 10_000
 
 class StoreError(AttestmeshError):
     """The store cannot do what was asked: its schema is newer than this code
-    (``store_schema_too_new``), a commit failed and was rolled back (``store_commit_failed``),
-    a batch is malformed (``store_batch_invalid``), or the store is closed (``store_closed``)."""
+    (``store_schema_too_new``), a migration failed and was rolled back
+    (``store_migration_failed``), a commit failed and was rolled back (``store_commit_failed``),
+    a batch cannot be encoded (``store_batch_invalid``), or the store is closed
+    (``store_closed``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,9 +390,13 @@ def migrate(
             db.execute("DELETE FROM schema_version")
             db.execute("INSERT INTO schema_version(version) VALUES(?)", (latest,))
         db.execute("COMMIT")
-    except BaseException:
+    except BaseException as exc:
         if db.in_transaction:
             db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise StoreError(
+                "store_migration_failed", f"{where or 'database'}: {type(exc).__name__}: {exc}"
+            ) from exc
         raise
     return latest
 
@@ -473,6 +479,13 @@ class _Rows:
     @classmethod
     def encode(cls, batch: Batch) -> _Rows:
         """Serialise a batch (before any SQL runs: a batch that cannot be encoded fails alone)."""
+        try:
+            return cls._encode(batch)
+        except (AttributeError, TypeError, ValueError, KeyError) as exc:
+            raise StoreError("store_batch_invalid", f"{type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    def _encode(cls, batch: Batch) -> _Rows:
         workloads: dict[str, str | None] = {}
         for name, w in batch.upserts.items():
             if w.registration.name != name:

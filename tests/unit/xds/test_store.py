@@ -164,8 +164,9 @@ def test_a_failure_mid_transaction_leaves_the_previous_state(store: SqliteStore,
 
     # A batch that cannot be encoded (an event without a time) fails before any row is written.
     bad = [*events, Event(EventKind.RELEASED, "web-1", None)]  # type: ignore[arg-type]
-    with pytest.raises(AttributeError):
+    with pytest.raises(StoreError) as failed:
         store.save(s2, s3, bad)
+    assert failed.value.reason == "store_batch_invalid"
     assert store.load(TRUST_DOMAIN) == s2
     assert _rows(db) == before
     # The store is still usable afterwards.
