@@ -480,18 +480,30 @@ def policies_for(
 
 
 def appraise_all(claims: Claims, governing: Sequence[AttestationPolicy], now: datetime) -> Decision:
-    """Conjunction over every governing policy in ``enforce`` mode; no governing policy means
-    rejection. Policies in ``audit`` mode never reject (see ``audit_findings``)."""
+    """Conjunction over every governing policy in ``enforce`` mode. Only an enforcing policy
+    admits: no governing policy is ``no_policy``; governing policies that are all in ``audit``
+    mode are ``no_enforcing_policy``. Audit-mode policies never admit and never reject: they
+    only add findings (see ``audit_findings``)."""
     if not governing:
         return Rejected(("no_policy: no attestation policy governs this identity",), "", now)
     enforced = [x for x in governing if x.mode is Mode.ENFORCE]
+    if not enforced:
+        audit_only = ",".join(x.name for x in governing)
+        return Rejected(
+            (
+                "no_enforcing_policy: only audit-mode policies govern this identity "
+                f"({audit_only}); audit policies add findings, they never admit",
+            ),
+            audit_only,
+            now,
+        )
     decisions = [appraise(claims, x, now) for x in enforced]
     rejected = [d for d in decisions if isinstance(d, Rejected)]
     if rejected:
         reasons = tuple(r for d in rejected for r in d.reasons)
         return Rejected(reasons, ",".join(d.policy for d in rejected), now)
-    ttl = min(x.certificate_ttl for x in governing)
-    return Admitted(claims, ",".join(x.name for x in enforced or governing), now, ttl)
+    ttl = min(x.certificate_ttl for x in enforced)
+    return Admitted(claims, ",".join(x.name for x in enforced), now, ttl)
 
 
 def audit_findings(

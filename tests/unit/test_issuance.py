@@ -131,3 +131,11 @@ def test_decide_without_policy_is_no_policy() -> None:
     with pytest.raises(EvidenceRejected) as info:
         decide(_verified(), (), NOW)
     assert info.value.reason == "no_policy"
+
+
+def test_decide_refuses_an_identity_governed_only_by_audit_policies() -> None:
+    policies = parse_policies([policy_doc(mode="audit")])
+    with pytest.raises(EvidenceRejected) as info:
+        decide(_verified(), policies, NOW)  # evidence the audit policy itself would admit
+    assert (info.value.reason, info.value.appraisal) == ("no_enforcing_policy", True)
+    assert "default/pol" in info.value.detail
