@@ -10,8 +10,11 @@ Wiring only (behaviour lives in ``xds.kube``, ``sidecar.inject`` and the control
 - Nodes are watched: their labels and taints (``KubeSource.nodes``) spare quarantine a read of
   a node already tainted; nodes carrying the platform-untrusted taint are logged and counted
   (``attestmesh_kube_untrusted_nodes``).
-- Agent identity: the projected service-account token is checked with TokenReview; its
-  namespace and service account must be the registration's (``TokenReviewIdentity``).
+- Agent identity is per pod: the projected service-account token is checked with TokenReview
+  (audience ``attestmesh``); the pod it is bound to (``user.extra`` pod-name and pod-uid) must
+  be the registration's pod, so a sibling pod of the same service account can neither attest,
+  fail nor renew in its name (``TokenReviewIdentity``). A pod recreated under the same name is
+  a new workload: nothing of the previous pod's standing carries over.
 - Lease leader election: only the leader writes to Kubernetes; every replica serves attestation.
 - ``KubePublisher`` wraps the xDS publisher: quarantine, release and audit events become pod
   labels, conditions, Events, evictions and node taints (``KubeActions``), performed in order
@@ -79,6 +82,7 @@ from xds.kube import (
     Watcher,
     WatchSpec,
     WorkloadRef,
+    check_pod_binding,
     platform_failed,
 )
 from xds.meshpolicy import MeshPolicy
@@ -149,7 +153,8 @@ def connect(kubeconfig: Path | None, request_timeout: float = 10.0) -> KubeClien
 
 class TokenReviewIdentity:
     """IdentityCheck: the agent's projected service-account token, checked with TokenReview,
-    must name the registration's namespace and service account."""
+    must be bound to the registration's pod: namespace, service account, pod name and pod uid
+    (``xds.kube.check_pod_binding``). A refusal is logged; the API counts it."""
 
     def __init__(self, reviewer: TokenReviewer, audience: str = TOKEN_AUDIENCE) -> None:
         self._reviewer = reviewer
@@ -157,15 +162,10 @@ class TokenReviewIdentity:
 
     async def check(self, reg: Registration, token: str | None) -> None:
         try:
-            namespace, sa = await self._reviewer.verify_token(token or "", self._audience)
+            check_pod_binding(await self._reviewer.verify_token(token or "", self._audience), reg)
         except TokenReviewError as exc:
+            log.warning("identity refused for %s: %s: %s", reg.name, exc.reason, exc.detail)
             raise IdentityError("identity_invalid", f"{exc.reason}: {exc.detail}") from None
-        if (namespace, sa) != (reg.namespace, reg.service_account):
-            raise IdentityError(
-                "identity_invalid",
-                f"token of {namespace}/{sa} presented for {reg.name} "
-                f"({reg.namespace}/{reg.service_account})",
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +382,12 @@ class KubeMode:
         self.cp.set_mesh_policies(policies)
 
     async def _on_registration(self, reg: Registration) -> None:
+        current = self.cp.state.workloads.get(reg.name)
+        if current is not None and current.registration.pod_uid not in (None, reg.pod_uid):
+            # another pod under the same name (a StatefulSet pod recreated, possibly while this
+            # replica was down): the previous pod's attestation or quarantine is not this one's
+            self.cp.unregister(reg.name)
+            log.info("pod %s was recreated (uid %s): registered afresh", reg.name, reg.pod_uid)
         self.cp.register([reg])
 
     async def _on_removed(self, name: str) -> None:

@@ -57,6 +57,10 @@ CONDITION_ATTESTED = "AttestmeshAttested"
 CONDITION_ACCEPTED = "Accepted"
 COMPONENT = "attestmesh-controlplane"
 DEFAULT_INBOUND_PORT = 15006
+# TokenReview ``status.user.extra`` keys the API server sets for a token bound to a pod (a
+# projected service-account token): the pod's name and uid.
+EXTRA_POD_NAME = "authentication.kubernetes.io/pod-name"
+EXTRA_POD_UID = "authentication.kubernetes.io/pod-uid"
 # Reason codes (certs.errors vocabulary) meaning the platform itself cannot be trusted.
 PLATFORM_REASONS = frozenset(
     {"chain_invalid", "untrusted_root", "revoked", "tcb_revoked", "tcb_status_not_accepted"}
@@ -245,7 +249,8 @@ def registration_from_pod(
 
     Its mesh service is, in order: the ``attestmesh.dev/service`` annotation, the Service
     selecting it (``select_service``), the ``app.kubernetes.io/name`` or ``app`` label, its
-    service account. It is not ready when listed in ``not_ready`` (from EndpointSlices)."""
+    service account. It is not ready when listed in ``not_ready`` (from EndpointSlices). Its
+    ``pod_uid`` is the pod's ``metadata.uid``: agents' tokens must be bound to that very pod."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -262,6 +267,7 @@ def registration_from_pod(
     if app_port is None:
         return None
     sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+    uid = meta.get("uid")
     service = (
         ann.get(ANNOTATION_SERVICE)
         or select_service(namespace, labels, services)
@@ -279,6 +285,7 @@ def registration_from_pod(
         outbound=parse_outbound(str(ann.get(ANNOTATION_OUTBOUND, ""))),
         labels=labels,
         ready=WorkloadRef(namespace, name) not in not_ready,
+        pod_uid=uid if isinstance(uid, str) and uid else None,
     )
 
 
@@ -535,12 +542,102 @@ def _translate(exc: Any) -> KubeError:
 # TokenReview ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ReviewedToken:
+    """What the API server says a valid service-account token stands for. ``pod_name`` and
+    ``pod_uid`` are set for a token bound to a pod (the projected token the kubelet mounts);
+    a legacy secret-based token, or one requested without a pod binding, has neither."""
+
+    namespace: str
+    service_account: str
+    pod_name: str | None = None
+    pod_uid: str | None = None
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _extra_value(extra: Mapping[str, Any], key: str) -> str | None:
+    values = extra.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) != 1:
+        raise TokenReviewError("token_review_malformed", f"user.extra {key!r} must hold one value")
+    value = values[0]
+    if not isinstance(value, str) or not value:
+        raise TokenReviewError("token_review_malformed", f"user.extra {key!r} is not a name")
+    return value
+
+
+def parse_token_review(review: Any, audience: str) -> ReviewedToken:
+    """A TokenReview the API server answered -> the service account (and pod) its token stands
+    for. Refused (``TokenReviewError``): not authenticated; ``audience`` not among
+    ``status.audiences`` (the server must confirm the audience it was asked for); not a
+    service account; a malformed pod claim."""
+    status = _mapping(_mapping(review).get("status"))
+    if status.get("authenticated") is not True:
+        raise TokenReviewError("token_invalid", str(status.get("error", "not authenticated")))
+    audiences = status.get("audiences")
+    if not isinstance(audiences, list) or audience not in audiences:
+        raise TokenReviewError("token_audience", f"token is not for audience {audience!r}")
+    user = _mapping(status.get("user"))
+    username = str(user.get("username", ""))
+    parts = username.split(":")
+    if len(parts) != 4 or parts[:2] != ["system", "serviceaccount"] or not all(parts[2:]):
+        raise TokenReviewError("token_not_service_account", f"user {username!r}")
+    extra = user.get("extra") or {}
+    if not isinstance(extra, Mapping):
+        raise TokenReviewError("token_review_malformed", "user.extra is not a map")
+    return ReviewedToken(
+        parts[2], parts[3], _extra_value(extra, EXTRA_POD_NAME), _extra_value(extra, EXTRA_POD_UID)
+    )
+
+
+def check_pod_binding(token: ReviewedToken, reg: Registration) -> None:
+    """The token must stand for the very pod ``reg`` was derived from: its namespace, service
+    account, pod name and pod uid. A token of a sibling pod (same service account) or of an
+    earlier pod of the same name is not this pod's. Raises ``TokenReviewError`` naming the
+    claim that is missing or differs (never the registration's uid)."""
+    if (token.namespace, token.service_account) != (reg.namespace, reg.service_account):
+        raise TokenReviewError(
+            "token_service_account_mismatch",
+            f"token of {token.namespace}/{token.service_account} presented for {reg.name} "
+            f"({reg.namespace}/{reg.service_account})",
+        )
+    for key, value in ((EXTRA_POD_NAME, token.pod_name), (EXTRA_POD_UID, token.pod_uid)):
+        if value is None:
+            raise TokenReviewError(
+                "token_not_pod_bound",
+                f"token of {token.namespace}/{token.service_account} has no {key} claim (a "
+                f"legacy or unbound token); {reg.name} needs the projected token bound to its pod",
+            )
+    try:
+        ref = WorkloadRef.parse(reg.name)
+    except ValueError:
+        raise TokenReviewError("registration_not_a_pod", f"{reg.name} is not a pod") from None
+    if (token.namespace, token.pod_name) != (ref.namespace, ref.pod):
+        raise TokenReviewError(
+            "token_pod_mismatch",
+            f"token bound to pod {token.namespace}/{token.pod_name} presented for {reg.name}",
+        )
+    if reg.pod_uid is None:
+        raise TokenReviewError("registration_without_pod_uid", f"{reg.name} has no pod uid")
+    if token.pod_uid != reg.pod_uid:
+        raise TokenReviewError(
+            "token_pod_uid_mismatch",
+            f"token bound to pod uid {token.pod_uid} presented for {reg.name}, a different pod "
+            "of that name",
+        )
+
+
 class TokenReviewer:
     def __init__(self, kube: KubeClient) -> None:
         self.kube = kube
 
-    async def verify_token(self, token: str, audience: str = "attestmesh") -> tuple[str, str]:
-        """-> (namespace, service_account) of a valid projected service-account token."""
+    async def verify_token(self, token: str, audience: str = "attestmesh") -> ReviewedToken:
+        """A TokenReview for ``audience`` -> what a valid service-account token stands for
+        (``parse_token_review``)."""
         if not token:
             raise TokenReviewError("token_missing", "no service-account token presented")
         body = {
@@ -552,16 +649,7 @@ class TokenReviewer:
             review = await self.kube.call(self.kube.auth.create_token_review, body)
         except KubeError as exc:
             raise TokenReviewError("token_review_failed", exc.detail) from None
-        status = (review or {}).get("status") or {}
-        if status.get("authenticated") is not True:
-            raise TokenReviewError("token_invalid", str(status.get("error", "not authenticated")))
-        if audience not in (status.get("audiences") or []):
-            raise TokenReviewError("token_audience", f"token is not for audience {audience!r}")
-        username = str((status.get("user") or {}).get("username", ""))
-        parts = username.split(":")
-        if len(parts) != 4 or parts[:2] != ["system", "serviceaccount"] or not all(parts[2:]):
-            raise TokenReviewError("token_not_service_account", f"user {username!r}")
-        return parts[2], parts[3]
+        return parse_token_review(review, audience)
 
 
 # Leader election --------------------------------------------------------------------------
@@ -1479,6 +1567,8 @@ class KubeActions:
 
 
 __all__ = [
+    "EXTRA_POD_NAME",
+    "EXTRA_POD_UID",
     "ActionResult",
     "KubeActions",
     "KubeClient",
@@ -1491,6 +1581,7 @@ __all__ = [
     "QuarantineOutcome",
     "Reconciled",
     "Refused",
+    "ReviewedToken",
     "ServiceSelector",
     "SourceCallbacks",
     "TokenReviewError",
@@ -1499,11 +1590,13 @@ __all__ = [
     "Watcher",
     "WorkloadRef",
     "build_condition",
+    "check_pod_binding",
     "decide_lease",
     "not_ready_endpoints",
     "parse_node",
     "parse_outbound",
     "parse_service",
+    "parse_token_review",
     "platform_failed",
     "pod_ports",
     "reconcile",

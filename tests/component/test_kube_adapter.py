@@ -28,6 +28,7 @@ from xds.kube import (
     NodeInfo,
     ServiceSelector,
     SourceCallbacks,
+    ReviewedToken,
     TokenReviewer,
     TokenReviewError,
     WorkloadRef,
@@ -111,7 +112,8 @@ async def test_verify_token(kube: FakeKube) -> None:
     kube.add_token("good", "shop", "web")
     kube.add_token("other-aud", "shop", "web", audiences=["vault"])
     reviewer = TokenReviewer(kc(kube))
-    assert await reviewer.verify_token("good") == ("shop", "web")
+    assert await reviewer.verify_token("good") == ReviewedToken("shop", "web")  # no pod claims
+    assert kube.token_reviews[-1] == {"token": "good", "audiences": ["attestmesh"]}
     for token, reason in (
         ("other-aud", "token_invalid"),
         ("bad", "token_invalid"),

@@ -65,7 +65,7 @@ WEBHOOKS = ResourceType(
     False,
 )
 GROUP = "attestmesh.dev"
-WEB_TOKEN = "tok-web"  # a token the fake TokenReview knows
+WEB_TOKEN = "tok-web"  # web-0's projected token (bound to the pod) the fake TokenReview knows
 WORKLOAD = "shop/web-0"
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -158,7 +158,7 @@ async def seed(kube: FakeKube, *policies: dict[str, Any]) -> None:
         },
         WEBHOOKS.group,
     )
-    kube.add_token(WEB_TOKEN, "shop", "web")
+    kube.add_token(WEB_TOKEN, "shop", "web", pod="web-0")
     kube.add_token("tok-other", "shop", "other")
 
 
@@ -692,7 +692,8 @@ async def test_service_and_endpoint_slices_shape_the_callers_endpoints(
         assert cp.state.get(LEDGER).registration.service == "billing"
         async with aiohttp.ClientSession() as session:
             await plane.agent().attest_once(session)
-            await plane.agent(workload=LEDGER).attest_once(session)
+            kube.add_token("tok-ledger", "shop", "web", pod="ledger-0")
+            await plane.agent(token="tok-ledger", workload=LEDGER).attest_once(session)
 
         def billing_endpoints() -> list[tuple[str, int]]:
             return endpoints(snapshot_of(plane, WORKLOAD), "out|billing")

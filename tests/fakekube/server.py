@@ -16,7 +16,10 @@ It implements, over real HTTP, the slice of the REST protocol attestmesh uses:
   change only status; ``metadata.generation`` moves only on spec changes;
 - ``pods/eviction`` (policy/v1 Eviction deletes the pod; 429 when ``block_eviction`` is set);
 - core/v1 and events.k8s.io/v1 events, coordination.k8s.io/v1 leases,
-  authentication.k8s.io/v1 tokenreviews (tokens registered with ``add_token``), and the
+  authentication.k8s.io/v1 tokenreviews (tokens registered with ``add_token``; a token bound
+  to a pod is answered as the real server answers a projected token: ``user.extra`` carries
+  ``authentication.kubernetes.io/pod-name`` / ``pod-uid``, and the token is invalid once that
+  pod is gone or replaced by another of the same name), and the
   project's attestmesh.dev/v1alpha1 attestationpolicies and meshpolicies.
 
 Errors are ``Status`` objects with the real reasons (NotFound, AlreadyExists, Conflict, Invalid,
@@ -127,9 +130,11 @@ def status_object(
 @dataclass(slots=True)
 class _Token:
     username: str
-    uid: str
+    uid: str  # the service account's uid, as the real server reports it
     groups: list[str]
     audiences: list[str]
+    namespace: str
+    pod: tuple[str, str] | None = None  # (name, uid) the token is bound to
 
 
 @dataclass(slots=True)
@@ -283,6 +288,8 @@ class FakeKube:
         self.history: list[tuple[int, str, str, dict[str, Any]]] = []
         self.compacted = 0
         self.tokens: dict[str, _Token] = {}
+        self._sa_uids: dict[tuple[str, str], str] = {}
+        self.token_reviews: list[dict[str, Any]] = []  # the spec of every TokenReview asked
         self.blocked_evictions: set[tuple[str, str]] = set()
         self.fail_next: list[tuple[str, str, int]] = []
         self.requests: list[tuple[str, str, str]] = []
@@ -336,16 +343,31 @@ class FakeKube:
         namespace: str,
         service_account: str,
         audiences: Iterable[str] = ("attestmesh",),
+        *,
+        pod: str | None = None,
+        pod_uid: str | None = None,
     ) -> None:
+        """A service-account token. With ``pod``, bound to that pod as the kubelet's projected
+        token is (TokenRequest with a Pod ``boundObjectRef``): the pod must exist, and its
+        current uid is the claim unless ``pod_uid`` names another (an earlier pod's). Without
+        ``pod``: an unbound token, as a legacy secret-based one (no pod claims)."""
+        bound = None
+        if pod is not None:
+            obj = self.get("pods", namespace, pod)
+            if obj is None and pod_uid is None:
+                raise ValueError(f"no pod {namespace}/{pod} to bind a token to")
+            bound = (pod, pod_uid or str((obj or {}).get("metadata", {}).get("uid")))
         self.tokens[token] = _Token(
             f"system:serviceaccount:{namespace}:{service_account}",
-            str(uuid.uuid4()),
+            self._sa_uids.setdefault((namespace, service_account), str(uuid.uuid4())),
             [
                 "system:serviceaccounts",
                 f"system:serviceaccounts:{namespace}",
                 "system:authenticated",
             ],
             list(audiences),
+            namespace,
+            bound,
         )
 
     def block_eviction(self, namespace: str, name: str) -> None:
@@ -782,12 +804,26 @@ class FakeKube:
         await self._delete(r, ns, name)
         return web.json_response(status_object(201, "", ""), status=201)
 
+    def _bound_pod_invalid(self, token: _Token) -> str:
+        """Why a pod-bound token no longer validates ("" when it does): the real server looks
+        the pod up on every review (kube-apiserver 1.20 pkg/serviceaccount/claims.go)."""
+        if token.pod is None:
+            return ""
+        obj = self.get("pods", token.namespace, token.pod[0])
+        if obj is None:
+            return "Token has been invalidated"
+        uid = obj["metadata"]["uid"]
+        return (
+            "" if uid == token.pod[1] else f"Pod UID ({uid}) does not match claim ({token.pod[1]})"
+        )
+
     def _token_review(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or body.get("kind", "TokenReview") != "TokenReview":
             raise ApiError(
                 400, "BadRequest", "body must be an authentication.k8s.io/v1 TokenReview"
             )
         spec = body.get("spec") or {}
+        self.token_reviews.append(copy.deepcopy(spec))
         token = spec.get("token")
         if not isinstance(token, str) or not token:
             raise ApiError(422, "Invalid", "spec.token: Required value")
@@ -800,17 +836,26 @@ class FakeKube:
             )
         else:
             common = [a for a in wanted if a in known.audiences]
+            invalid = self._bound_pod_invalid(known)
             if not common:
                 status["error"] = (
                     f"[invalid bearer token, token audiences {json.dumps(known.audiences)} is "
                     f"invalid for the target audiences {json.dumps(wanted)}]"
                 )
+            elif invalid:
+                status["error"] = f"[invalid bearer token, {invalid}]"
             else:
-                status = {
-                    "authenticated": True,
-                    "user": {"username": known.username, "uid": known.uid, "groups": known.groups},
-                    "audiences": common,
+                user: dict[str, Any] = {
+                    "username": known.username,
+                    "uid": known.uid,
+                    "groups": known.groups,
                 }
+                if known.pod is not None:
+                    user["extra"] = {
+                        "authentication.kubernetes.io/pod-name": [known.pod[0]],
+                        "authentication.kubernetes.io/pod-uid": [known.pod[1]],
+                    }
+                status = {"authenticated": True, "user": user, "audiences": common}
         return {
             "kind": "TokenReview",
             "apiVersion": "authentication.k8s.io/v1",
