@@ -102,7 +102,14 @@ def _controlplane(args: argparse.Namespace) -> int:
         )
         server_names = (*kube_settings.service_dns_names(), "localhost")
 
+    from attestmesh.listen import limits_from_args
+
+    try:
+        listen = limits_from_args(args)
+    except ValueError as exc:
+        raise AttestmeshError("usage", str(exc)) from None
     settings = ControlPlaneSettings(
+        listen=listen,
         state_dir=args.state_dir,
         policy_file=args.policy,
         mesh_policy_file=args.mesh_policy,
@@ -294,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--probe-port", type=int, help="/metrics, /healthz, /readyz (no admin API)")
     k.add_argument("--sidecar-image", help="image of the injected agent")
     k.add_argument("--envoy-image", help="image of the injected Envoy")
+    from attestmesh.listen import add_arguments as add_listen_arguments
+
+    add_listen_arguments(cp)
     cp.set_defaults(func=_controlplane)
 
     from attestmesh.agent_cmd import add_agent_parser

@@ -53,6 +53,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh.controlplane import ControlPlane, Publisher
+from attestmesh.listen import ListenLimits, start_aiohttp
 from attestmesh.metrics import Metrics
 from attestmesh.serve import Hooks, XdsPublisher
 from certs.ca import CertificateAuthority, issue_serving_credentials
@@ -687,14 +688,19 @@ class KubeMode:
                 runner = web.AppRunner(app, access_log=None)
                 runners.append(runner)
                 await runner.setup()
-                site = web.TCPSite(runner, s.webhook_host, s.webhook_port, ssl_context=webhook_ctx)
-                await site.start()
-                self.webhook_url = f"https://{s.webhook_host}:{_bound_port(site)}"
+                site = await start_aiohttp(
+                    runner, s.webhook_host, s.webhook_port, ssl=webhook_ctx, limits=ListenLimits(),
+                    name="webhook",
+                )  # fmt: skip
+                self.webhook_url = f"https://{s.webhook_host}:{site.port}"
             if s.probe_port is not None:
                 runner = web.AppRunner(self._probe_app(), access_log=None)
                 runners.append(runner)
                 await runner.setup()
-                await web.TCPSite(runner, s.probe_host, s.probe_port).start()
+                await start_aiohttp(
+                    runner, s.probe_host, s.probe_port, ssl=None, limits=ListenLimits(),
+                    name="probe",
+                )  # fmt: skip
             await self.elector.step()  # one attempt before the first reconcile: status writes
             async with asyncio.TaskGroup() as tg:
                 tasks = [
@@ -743,12 +749,6 @@ class KubeMode:
             )
         except KubeError as exc:  # it expires on its own
             log.warning("could not release the lease %s: %s", s.lease_name, exc)
-
-
-def _bound_port(site: web.TCPSite) -> int:
-    server = site._server  # aiohttp keeps the bound socket here
-    sockets = getattr(server, "sockets", None) or []
-    return int(sockets[0].getsockname()[1]) if sockets else 0
 
 
 __all__ = [

@@ -25,6 +25,7 @@ and aiohttp 3's ``RequestHandler`` state (request count, request in progress, cu
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import enum
@@ -609,3 +610,32 @@ async def start_grpc(
     server._server = srv
     server._server_closed_fut = loop.create_future()
     return Listener(srv, lst)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+_FLAGS: dict[str, tuple[type, str]] = {
+    "handshake_timeout": (float, "seconds from accept to a complete TLS handshake"),
+    "header_timeout": (float, "seconds from a request's first byte to its complete header"),
+    "body_timeout": (float, "seconds from a complete header to a complete body"),
+    "idle_timeout": (float, "seconds a connection may hold nothing in flight"),
+    "max_connections": (int, "open connections per port"),
+    "max_connections_per_source": (int, "open connections per port and source address"),
+    "max_streams_per_connection": (int, "concurrent HTTP/2 streams per xDS connection"),
+    "tls_read_buffer": (int, "bytes read at once per TLS connection"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--handshake-timeout`` ... ``--tls-read-buffer``: override ``ListenLimits`` defaults."""
+    g = parser.add_argument_group("connection limits (every listening port)")
+    defaults = ListenLimits()
+    for name, (kind, text) in _FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(flag, type=kind, help=f"{text} (default {getattr(defaults, name)})")
+
+
+def limits_from_args(args: argparse.Namespace) -> ListenLimits:
+    """The ``ListenLimits`` the flags of ``add_arguments`` ask for; ValueError if invalid."""
+    given = {n: v for n in _FLAGS if (v := getattr(args, n, None)) is not None}
+    return ListenLimits(**given)

@@ -25,6 +25,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh.controlplane import CollateralSource, ControlPlane, IdentityCheck, Publisher
+from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
 from certs import api
 from certs.ca import CertificateAuthority, issue_serving_credentials
@@ -69,6 +70,7 @@ class ControlPlaneSettings:
     deadline_check: timedelta = timedelta(seconds=1)
     policy_poll: timedelta = timedelta(seconds=2)
     server_names: tuple[str, ...] = field(default=("localhost",))
+    listen: ListenLimits = field(default_factory=ListenLimits)  # every port: timeouts, caps
 
 
 def load_yaml_docs(path: Path) -> list[Any]:
@@ -415,9 +417,16 @@ async def run_control_plane(
         try:
             await api_runner.setup()
             await ops_runner.setup()
-            await web.TCPSite(api_runner, settings.host, settings.api_port, ssl_context=tls).start()
-            await web.TCPSite(ops_runner, "127.0.0.1", settings.ops_port).start()
-            await grpc.start(settings.host, settings.xds_port, ssl=xds_tls)
+            lim = settings.listen
+            await start_aiohttp(
+                api_runner, settings.host, settings.api_port, ssl=tls, limits=lim, name="api"
+            )
+            await start_aiohttp(
+                ops_runner, "127.0.0.1", settings.ops_port, ssl=None, limits=lim, name="ops"
+            )
+            await start_grpc(
+                grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds"
+            )
             log.info(
                 "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
                 settings.host,
