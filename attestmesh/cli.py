@@ -114,6 +114,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         policy_file=args.policy,
         mesh_policy_file=args.mesh_policy,
         registrations_file=args.workloads,
+        allow_unauthenticated_registrations=args.allow_unauthenticated_registrations,
         trust_domain=args.trust_domain,
         host=args.host,
         api_port=args.api_port,
@@ -256,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("--mesh-policy", type=Path, help="MeshPolicy YAML file (local mode)")
     cp.add_argument("--workloads", type=Path, help="workload registrations YAML (local mode)")
+    cp.add_argument(
+        "--allow-unauthenticated-registrations",
+        action="store_true",
+        help="start although a --workloads entry has no tokenSha256 (anyone reaching the API "
+        "could attest in its name; experiments only)",
+    )
     cp.add_argument("--trust-domain", default="attestmesh.local")
     cp.add_argument("--host", default="127.0.0.1")
     cp.add_argument("--api-port", type=int, default=8443)

@@ -62,6 +62,9 @@ class ControlPlaneSettings:
     ops_port: int = 9090
     mesh_policy_file: Path | None = None
     registrations_file: Path | None = None
+    # A registration without tokenSha256 lets anyone who reaches the API attest (or fail) in its
+    # name: refused at start-up unless this says so explicitly.
+    allow_unauthenticated_registrations: bool = False
     sim_platform_keys: tuple[Path, ...] = ()
     roots_dir: Path | None = None
     amd_kds_url: str | None = None
@@ -237,13 +240,23 @@ def build_control_plane(
     if settings.registrations_file:
         docs = load_yaml_docs(settings.registrations_file)
         registrations = parse_registrations(docs[0] if docs else {})
-        for reg in registrations:
-            if reg.token_sha256 is None:
-                log.warning(
-                    "registration %s has no tokenSha256: anyone who reaches the API can attest "
-                    "(or fail an attestation) in its name",
-                    reg.name,
-                )
+        tokenless = [reg.name for reg in registrations if reg.token_sha256 is None]
+        if tokenless and not settings.allow_unauthenticated_registrations:
+            raise PolicyError(
+                [
+                    f"{settings.registrations_file}: registration {name} has no tokenSha256 "
+                    "(anyone who reaches the API could attest, or fail an attestation, in its "
+                    "name); give it a join token or pass --allow-unauthenticated-registrations"
+                    for name in tokenless
+                ]
+            )
+        for name in tokenless:
+            log.warning(
+                "registration %s has no tokenSha256 (allowed by "
+                "--allow-unauthenticated-registrations): anyone who reaches the API can attest "
+                "(or fail an attestation) in its name",
+                name,
+            )
     sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
     verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
     now = datetime.now(UTC)
