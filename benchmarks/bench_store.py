@@ -112,6 +112,7 @@ class Run:
     loop_lag_p99_ms: float
     durable_p50_ms: float
     durable_p99_ms: float
+    cpu_per_batch_us: float  # process CPU (every thread) per durable batch
 
 
 def p99(xs: list[float]) -> float:
@@ -156,12 +157,14 @@ async def drive(
             lags.append(time.perf_counter() - t0 - 0.001)
 
     started = time.perf_counter()
+    cpu0 = time.process_time()
     running = [asyncio.create_task(writer(k)) for k in range(tasks)]
     running.append(asyncio.create_task(probe()))
     await asyncio.sleep(seconds)
     stop = True
     await asyncio.gather(*running)
     elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu0
     commits = store.stats().commits - commits0
     return Run(
         batches_per_s=done / elapsed,
@@ -173,6 +176,7 @@ async def drive(
         loop_lag_p99_ms=p99(lags) * 1e3,
         durable_p50_ms=statistics.median(durable) * 1e3,
         durable_p99_ms=p99(durable) * 1e3,
+        cpu_per_batch_us=cpu / max(done, 1) * 1e6,
     )
 
 
@@ -236,7 +240,7 @@ def main() -> None:
         header = (
             f"{'store':<7}{'tasks':>6}{'batches/s':>11}{'commits/s':>11}{'per fsync':>10}"
             f"{'write() max':>13}{'p99':>9}{'loop lag max':>14}{'p99':>9}"
-            f"{'durable p50':>13}{'p99':>9}"
+            f"{'durable p50':>13}{'p99':>9}{'CPU/batch':>11}"
         )
         print(header)
         results: dict[tuple[str, int], Run] = {}
@@ -252,7 +256,7 @@ def main() -> None:
                     f"{r.batches_per_commit:>10.1f}{r.write_call_max_us:>11.0f}us"
                     f"{r.write_call_p99_us:>7.0f}us{r.loop_lag_max_ms:>12.2f}ms"
                     f"{r.loop_lag_p99_ms:>7.2f}ms{r.durable_p50_ms:>11.2f}ms"
-                    f"{r.durable_p99_ms:>7.2f}ms",
+                    f"{r.durable_p99_ms:>7.2f}ms{r.cpu_per_batch_us:>9.0f}us",
                     flush=True,
                 )
         print("\ngroup / sync, same run:")
