@@ -41,7 +41,7 @@ import dataclasses
 import enum
 import logging
 import ssl
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -55,7 +55,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from attestmesh.controlplane import ControlPlane, Publisher
 from attestmesh.listen import ListenLimits, start_aiohttp
 from attestmesh.metrics import Metrics
-from attestmesh.serve import Hooks, XdsPublisher
+from attestmesh.serve import Hooks
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import AttestmeshError, PolicyError
 from certs.issuance import IdentityError
@@ -87,6 +87,7 @@ from xds.kube import (
     platform_failed,
 )
 from xds.meshpolicy import MeshPolicy
+from xds.publisher import XdsPublisher
 from xds.state import Event, EventKind, MeshState, Registration, Trigger
 
 log = logging.getLogger(__name__)
@@ -240,9 +241,13 @@ class KubePublisher:
         self._mode = mode
 
     def publish(
-        self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial
+        self,
+        state: MeshState,
+        mesh_policies: Sequence[MeshPolicy],
+        trust: TrustMaterial,
+        changed: Iterable[str] | None = None,
     ) -> None:
-        self._inner.publish(state, mesh_policies, trust)
+        self._inner.publish(state, mesh_policies, trust, changed)
 
     def on_events(self, state: MeshState, events: Sequence[Event]) -> None:
         self._inner.on_events(state, events)

@@ -38,13 +38,13 @@ from certs.evidence.claims import Tee
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.policy import parse_policies
-from xds.build import BuildSettings, Packer, TrustMaterial, build_snapshots, config_view
 from xds.cache import SnapshotCache
-from xds.meshpolicy import MeshPolicy, parse_mesh_policies
+from xds.meshpolicy import parse_mesh_policies
 from xds.pb import install_validator_cache
+from xds.publisher import XdsPublisher
 from xds.registrations import parse_registrations
 from xds.server import AdsServer, warm
-from xds.state import Event, MeshState, Registration, Trigger
+from xds.state import Registration, Trigger
 from xds.store import SqliteStore
 
 log = logging.getLogger(__name__)
@@ -81,31 +81,6 @@ def load_yaml_docs(path: Path) -> list[Any]:
         return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
         raise PolicyError([f"{path}: {exc}"]) from None
-
-
-class XdsPublisher:
-    """Announces state as per-node xDS snapshots; resources are packed once and shared, and
-    nothing is rebuilt when nothing the snapshots depend on changed (e.g. a renewal)."""
-
-    def __init__(self, cache: SnapshotCache, settings: BuildSettings | None = None) -> None:
-        self._cache = cache
-        self._settings = settings or BuildSettings()
-        self._packer = Packer()
-        self._last: tuple[object, ...] | None = None
-
-    def publish(
-        self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial
-    ) -> None:
-        inputs = (config_view(state), tuple(mesh_policies), trust)
-        if inputs == self._last:
-            return
-        snapshots = build_snapshots(state, mesh_policies, trust, self._settings, self._packer)
-        self._cache.set_snapshots(snapshots)
-        self._last = inputs
-
-    def on_events(self, state: MeshState, events: Sequence[Event]) -> None:
-        for e in events:
-            log.info("event %s %s %s", e.kind, e.workload, e.reason)
 
 
 @dataclass(frozen=True, slots=True)

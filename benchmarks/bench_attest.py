@@ -20,7 +20,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import ControlPlane
 from attestmesh.metrics import Metrics
-from attestmesh.serve import XdsPublisher
 from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority, spki_der
 from certs.evidence import sim
@@ -30,6 +29,7 @@ from sidecar.agent import build_csr
 from xds.build import TrustMaterial
 from xds.cache import SnapshotCache
 from xds.meshpolicy import MeshPolicy
+from xds.publisher import XdsPublisher
 from xds.state import Endpoint, Event, MeshState, Registration
 from xds.store import SqliteStore
 

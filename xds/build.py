@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -33,7 +33,8 @@ import betterproto2
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from xds import pb
-from xds.meshpolicy import HttpMatch, MeshPolicy, Permission, compile_permissions
+from xds.index import Identity, MeshIndex, principal_of
+from xds.meshpolicy import HttpMatch, MeshPolicy, Permission, compile_permissions_for
 from xds.resources import (
     INBOUND_APP_CLUSTER,
     INBOUND_LISTENER,
@@ -45,7 +46,7 @@ from xds.resources import (
     TypeUrl,
     outbound_name,
 )
-from xds.state import MeshState, Registration, Status
+from xds.state import MeshState, Registration, Status, UnknownWorkloadError
 
 with warnings.catch_warnings():
     # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
@@ -181,13 +182,27 @@ class Snapshot:
         return not self.missing()
 
 
+_RESOURCE_VERSIONS: dict[bytes, str] = {}
+_RESOURCE_VERSIONS_LIMIT = 200_000
+
+
+def resource_version(value: bytes) -> str:
+    """Opaque version of one packed resource: a hash of its bytes, computed once per distinct
+    value (resources are shared by many nodes; a big CRL secret is hashed once, not per node)."""
+    hit = _RESOURCE_VERSIONS.get(value)
+    if hit is None:
+        if len(_RESOURCE_VERSIONS) >= _RESOURCE_VERSIONS_LIMIT:
+            _RESOURCE_VERSIONS.clear()
+        hit = _RESOURCE_VERSIONS[value] = hashlib.sha256(value).hexdigest()[:16]
+    return hit
+
+
 def content_version(resources: Mapping[str, bytes]) -> str:
-    """Opaque version = hash of the (name, bytes) set: stable across restarts and processes."""
+    """Opaque version = hash of the (name, resource version) set: stable across restarts and
+    processes, and as cheap as the number of resources (not their size)."""
     h = hashlib.sha256()
     for name in sorted(resources):
-        value = resources[name]
-        h.update(len(name).to_bytes(4, "big") + name.encode())
-        h.update(len(value).to_bytes(4, "big") + value)
+        h.update(f"{len(name)}:{name}:{resource_version(resources[name])};".encode())
     return h.hexdigest()[:16]
 
 
@@ -459,26 +474,122 @@ def build_inbound_routes(permissions: Sequence[Permission]) -> RouteConfiguratio
 # the snapshot
 
 
-def build_snapshot(
-    state: MeshState,
-    node: str,
-    mesh_policies: Sequence[MeshPolicy],
-    trust: TrustMaterial,
-    settings: BuildSettings | None = None,
-    packer: Packer | None = None,
-) -> Snapshot:
-    """The complete, consistent configuration of Envoy ``node`` for this mesh state."""
-    settings = settings or BuildSettings()
-    packer = packer or Packer()
-    td = state.trust_domain
-    me = state.get(node)
+class SharedResources:
+    """Resources many nodes share, built and serialised once and reused until what they are
+    built from changes: a service's outbound cluster (its members' identities) and endpoints,
+    a destination identity's inbound routes (its authorization), the trust secret.
+
+    Callers invalidate by service, by destination identity, or everything (mesh policies, trust
+    domain, settings); the memo never decides anything, it only saves work.
+    """
+
+    def __init__(
+        self,
+        index: MeshIndex,
+        mesh_policies: Sequence[MeshPolicy],
+        trust: TrustMaterial,
+        settings: BuildSettings,
+        packer: Packer,
+    ) -> None:
+        self.index = index
+        self.mesh_policies = tuple(mesh_policies)
+        self.trust = trust
+        self.settings = settings
+        self.packer = packer
+        self._clusters: dict[str, bytes] = {}
+        self._endpoints: dict[str, bytes] = {}
+        self._routes: dict[Identity, bytes] = {}
+        self._trust: bytes | None = None
+
+    def invalidate_services(self, services: Iterable[str]) -> None:
+        for s in services:
+            self._clusters.pop(s, None)
+            self._endpoints.pop(s, None)
+
+    def invalidate_routes(self, destinations: Iterable[Identity]) -> None:
+        for d in destinations:
+            self._routes.pop(d, None)
+
+    def set_mesh_policies(self, mesh_policies: Sequence[MeshPolicy]) -> None:
+        self.mesh_policies = tuple(mesh_policies)
+        self._routes.clear()
+
+    def set_trust(self, trust: TrustMaterial) -> None:
+        if trust != self.trust:
+            self.trust = trust
+            self._trust = None
+
+    def trust_secret(self) -> bytes:
+        if self._trust is None:
+            trust = self.trust
+            self._trust = self.packer.get(
+                ("trust", trust), TypeUrl.SECRET, lambda: build_mesh_trust(trust)
+            )
+        return self._trust
+
+    def outbound_cluster(self, service: str) -> bytes:
+        hit = self._clusters.get(service)
+        if hit is None:
+            td, settings = self.index.trust_domain, self.settings
+            ids = tuple(sorted({p.spiffe_id(td) for p in self.index.peers(service)}))
+            hit = self.packer.get(
+                ("out", service, ids, td, settings),
+                TypeUrl.CLUSTER,
+                lambda: build_outbound_cluster(service, ids, td, settings),
+            )
+            self._clusters[service] = hit
+        return hit
+
+    def endpoints(self, service: str) -> bytes:
+        """The load assignment an attested caller of ``service`` gets."""
+        hit = self._endpoints.get(service)
+        if hit is None:
+            name = outbound_name(service)
+            eps = tuple(
+                sorted(
+                    (p.inbound.address, p.inbound.port)
+                    for p in self.index.peers(service)
+                    if p.ready
+                )
+            )
+            hit = self._endpoints[service] = _load_assignment(self.packer, name, eps)
+        return hit
+
+    def inbound_routes(self, destination: Identity) -> bytes:
+        """The inbound route table (with its RBAC) of attested workloads of ``destination``."""
+        hit = self._routes.get(destination)
+        if hit is None:
+            permissions = compile_permissions_for(
+                self.mesh_policies,
+                destination,
+                self.index.trust_domain,
+                self.index.attested_with,
+            )
+            hit = self._routes[destination] = _routes(self.packer, permissions)
+        return hit
+
+
+def _load_assignment(packer: Packer, name: str, eps: tuple[tuple[str, int], ...]) -> bytes:
+    return packer.get(
+        ("eds", name, eps), TypeUrl.ENDPOINT, lambda: build_load_assignment(name, eps)
+    )
+
+
+def _routes(packer: Packer, permissions: tuple[Permission, ...]) -> bytes:
+    return packer.get(
+        ("rds", permissions), TypeUrl.ROUTE, lambda: build_inbound_routes(permissions)
+    )
+
+
+def build_node_snapshot(shared: SharedResources, node: str) -> Snapshot:
+    """Envoy ``node``'s complete, consistent configuration from the shared resources: cost
+    follows the node's own configuration (its outbound services), not the size of the mesh."""
+    me = shared.index.get(node)
+    if me is None:
+        raise UnknownWorkloadError("unknown_identity", f"no workload {node!r}")
+    packer, settings, td = shared.packer, shared.settings, shared.index.trust_domain
     reg = me.registration
     attested = me.status is Status.ATTESTED
-
-    serving: dict[str, list[Registration]] = {}
-    for w in state.attested():
-        serving.setdefault(w.registration.service, []).append(w.registration)
-
     clusters: dict[str, bytes] = {
         INBOUND_APP_CLUSTER: packer.get(
             ("app", reg.app_port, settings),
@@ -496,37 +607,17 @@ def build_snapshot(
     }
     for service, port in sorted(reg.outbound.items()):
         name = outbound_name(service)
-        peers = serving.get(service, [])
-        ids = tuple(sorted({p.spiffe_id(td) for p in peers}))
-        clusters[name] = packer.get(
-            ("out", service, ids, td, settings),
-            TypeUrl.CLUSTER,
-            lambda s=service, i=ids: build_outbound_cluster(s, i, td, settings),  # type: ignore[misc]
-        )
-        eps = (
-            tuple(sorted((p.inbound.address, p.inbound.port) for p in peers if p.ready))
-            if attested
-            else ()
-        )
-        endpoints[name] = packer.get(
-            ("eds", name, eps),
-            TypeUrl.ENDPOINT,
-            lambda n=name, e=eps: build_load_assignment(n, e),  # type: ignore[misc]
+        clusters[name] = shared.outbound_cluster(service)
+        endpoints[name] = (
+            shared.endpoints(service) if attested else _load_assignment(packer, name, ())
         )
         listeners[name] = packer.get(
             ("outl", service, port, settings),
             TypeUrl.LISTENER,
             lambda s=service, p=port: build_outbound_listener(s, p, settings),  # type: ignore[misc]
         )
-
-    permissions = compile_permissions(mesh_policies, state, node) if attested else ()
     routes = {
-        INBOUND_ROUTE: packer.get(
-            ("rds", permissions), TypeUrl.ROUTE, lambda: build_inbound_routes(permissions)
-        )
-    }
-    secrets = {
-        MESH_TRUST: packer.get(("trust", trust), TypeUrl.SECRET, lambda: build_mesh_trust(trust))
+        INBOUND_ROUTE: shared.inbound_routes(principal_of(reg)) if attested else _routes(packer, ())
     }
     return Snapshot.of(
         {
@@ -534,7 +625,7 @@ def build_snapshot(
             TypeUrl.ENDPOINT: endpoints,
             TypeUrl.LISTENER: listeners,
             TypeUrl.ROUTE: routes,
-            TypeUrl.SECRET: secrets,
+            TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()},
         },
         {
             # EDS clusters name their load assignments, the inbound HCM its route table.
@@ -543,6 +634,22 @@ def build_snapshot(
             TypeUrl.SECRET: frozenset({MESH_TRUST}),
         },
     )
+
+
+def build_snapshot(
+    state: MeshState,
+    node: str,
+    mesh_policies: Sequence[MeshPolicy],
+    trust: TrustMaterial,
+    settings: BuildSettings | None = None,
+    packer: Packer | None = None,
+) -> Snapshot:
+    """The complete, consistent configuration of Envoy ``node`` for this mesh state."""
+    state.get(node)  # unknown nodes raise before the index is built
+    shared = SharedResources(
+        MeshIndex.of(state), mesh_policies, trust, settings or BuildSettings(), packer or Packer()
+    )
+    return build_node_snapshot(shared, node)
 
 
 def config_view(state: MeshState) -> tuple[object, ...]:
@@ -573,21 +680,24 @@ def build_snapshots(
     settings: BuildSettings | None = None,
     packer: Packer | None = None,
 ) -> dict[str, Snapshot]:
-    """Snapshots of every registered node, sharing one packer."""
-    packer = packer or Packer()
-    return {
-        name: build_snapshot(state, name, mesh_policies, trust, settings, packer)
-        for name in sorted(state.workloads)
-    }
+    """Snapshots of every registered node from one index and one set of shared resources: a
+    full rebuild (start-up, tests, the reference the incremental publisher is checked against)."""
+    shared = SharedResources(
+        MeshIndex.of(state), mesh_policies, trust, settings or BuildSettings(), packer or Packer()
+    )
+    return {name: build_node_snapshot(shared, name) for name in sorted(state.workloads)}
 
 
 __all__ = [
     "BuildSettings",
     "Packer",
+    "SharedResources",
     "Snapshot",
     "TrustMaterial",
+    "build_node_snapshot",
     "build_snapshot",
     "build_snapshots",
     "config_view",
     "content_version",
+    "resource_version",
 ]

@@ -2,13 +2,17 @@
 
 A watch is a latest-value slot plus an ``asyncio.Event``: ``set_snapshot`` never awaits, never
 blocks on a slow consumer, and a consumer that wakes late simply reads the newest snapshot
-(intermediate ones are skipped, which state-of-the-world xDS allows). The cache knows no gRPC.
+(intermediate ones are skipped, which xDS allows). The cache knows no gRPC.
+
+Snapshots may be built on demand: with a ``source``, ``get`` builds a node's snapshot the first
+time it is asked for (a node with no stream costs nothing), and ``invalidate`` drops what a change
+made stale, rebuilding at once only the nodes a stream is watching.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 from xds.build import Snapshot
@@ -24,19 +28,58 @@ class Watch:
         self.changed = asyncio.Event()
 
 
+Source = Callable[[str], Snapshot | None]
+"""Builds a node's current snapshot (None: no such node)."""
+
+
 class SnapshotCache:
-    def __init__(self) -> None:
+    def __init__(self, source: Source | None = None) -> None:
         self._snapshots: dict[str, Snapshot] = {}
         self._watches: dict[str, set[Watch]] = {}
+        self._source = source
+        self.built = 0  # snapshots built through the source (tests and benchmarks read it)
+
+    def set_source(self, source: Source | None) -> None:
+        self._source = source
 
     def set_snapshot(self, node: str, snapshot: Snapshot) -> None:
         """Publish ``snapshot`` as ``node``'s configuration and wake its streams."""
-        if not snapshot.consistent():
-            missing = sorted(f"{t.short}:{n}" for t, n in snapshot.missing())
-            raise ValueError(f"inconsistent snapshot for {node}: missing {missing}")
+        self._check(node, snapshot)
         self._snapshots[node] = snapshot
         for watch in self._watches.get(node, ()):
             watch.changed.set()
+
+    def invalidate(self, nodes: Iterable[str]) -> None:
+        """What these nodes' snapshots were built from changed: drop them; a node with open
+        streams is rebuilt now and its streams woken, the others when next asked for."""
+        for node in nodes:
+            self._snapshots.pop(node, None)
+            if node in self._watches:
+                self._rebuild(node)
+
+    def invalidate_all(self) -> None:
+        self._snapshots.clear()
+        for node in list(self._watches):
+            self._rebuild(node)
+
+    def _rebuild(self, node: str) -> None:
+        snapshot = self._build(node)
+        if snapshot is not None:
+            self.set_snapshot(node, snapshot)
+
+    def _build(self, node: str) -> Snapshot | None:
+        if self._source is None:
+            return None
+        snapshot = self._source(node)
+        if snapshot is not None:
+            self.built += 1
+        return snapshot
+
+    @staticmethod
+    def _check(node: str, snapshot: Snapshot) -> None:
+        if not snapshot.consistent():
+            missing = sorted(f"{t.short}:{n}" for t, n in snapshot.missing())
+            raise ValueError(f"inconsistent snapshot for {node}: missing {missing}")
 
     def set_snapshots(self, snapshots: Mapping[str, Snapshot]) -> None:
         for node, snapshot in snapshots.items():
@@ -47,9 +90,16 @@ class SnapshotCache:
         self._snapshots.pop(node, None)
 
     def get(self, node: str) -> Snapshot | None:
-        return self._snapshots.get(node)
+        snapshot = self._snapshots.get(node)
+        if snapshot is None:
+            snapshot = self._build(node)
+            if snapshot is not None:
+                self._check(node, snapshot)
+                self._snapshots[node] = snapshot
+        return snapshot
 
     def nodes(self) -> frozenset[str]:
+        """Nodes whose snapshot is built and held."""
         return frozenset(self._snapshots)
 
     def watching(self, node: str) -> int:
@@ -61,7 +111,7 @@ class SnapshotCache:
         is already there, so the stream answers at once)."""
         w = Watch(node)
         self._watches.setdefault(node, set()).add(w)
-        if node in self._snapshots:
+        if node in self._snapshots or self._source is not None:
             w.changed.set()
         try:
             yield w

@@ -9,13 +9,14 @@ never appear in the result.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from certs.errors import PolicyError
 from certs.evidence.claims import Tee
 from certs.policy import API_VERSION
+from xds.index import parse_spiffe_principal, principal_of
 from xds.state import MeshState, Status, WorkloadState, spiffe_id
 
 KIND_MESH_POLICY = "MeshPolicy"
@@ -83,33 +84,81 @@ class Permission:
     to: tuple[HttpMatch, ...] = field(default_factory=tuple)
 
 
+def source_principal(source: Source, trust_domain: str) -> tuple[str, str] | None:
+    """The (namespace, service account) a source names; None if it can name no workload."""
+    if source.identity is not None:
+        return parse_spiffe_principal(trust_domain, source.identity)
+    assert source.namespace is not None and source.service_account is not None
+    return (source.namespace, source.service_account)
+
+
+CallerLookup = Callable[[tuple[str, str]], Iterable[WorkloadState]]
+"""Attested workloads holding a (namespace, service account) identity."""
+
+
+def compile_permissions_for(
+    policies: Sequence[MeshPolicy],
+    destination: tuple[str, str],
+    trust_domain: str,
+    attested_with: CallerLookup,
+) -> tuple[Permission, ...]:
+    """Principals allowed to call workloads of ``destination`` (namespace, service account) now,
+    sorted and de-duplicated; callers are looked up by the identities the rules name, so the
+    cost follows the rules, not the size of the mesh. Enforce-mode policies only; callers must
+    be attested (not pending, not quarantined)."""
+    ns, sa = destination
+    out: dict[str, tuple[HttpMatch, ...]] = {}
+    for policy in policies:
+        if policy.audit or policy.namespace != ns or policy.destination_service_account != sa:
+            continue
+        for rule in policy.rules:
+            for source in rule.sources:
+                principal = source_principal(source, trust_domain)
+                if principal is None:
+                    continue
+                for caller in attested_with(principal):
+                    if rule.when_claims is not None and not rule.when_claims.matches(caller):
+                        continue
+                    name = caller.registration.spiffe_id(trust_domain)
+                    if name in out and (not out[name] or not rule.to):
+                        out[name] = ()
+                    else:
+                        out[name] = tuple(dict.fromkeys(out.get(name, ()) + rule.to))
+    return tuple(Permission(p, out[p]) for p in sorted(out))
+
+
 def compile_permissions(
     policies: Sequence[MeshPolicy], state: MeshState, destination: str
 ) -> tuple[Permission, ...]:
-    """Principals allowed to call workload ``destination`` now, sorted and de-duplicated.
-
-    Enforce-mode policies only; callers must be attested (not pending, not quarantined).
-    """
+    """Principals allowed to call workload ``destination`` now (a scan of the whole state: the
+    reference the indexed path is tested against)."""
     dest = state.get(destination).registration
-    out: dict[str, tuple[HttpMatch, ...]] = {}
-    callers = [w for w in state.workloads.values() if w.status is Status.ATTESTED]
+    attested = [w for w in state.workloads.values() if w.status is Status.ATTESTED]
+
+    def lookup(principal: tuple[str, str]) -> list[WorkloadState]:
+        return [w for w in attested if principal_of(w.registration) == principal]
+
+    return compile_permissions_for(
+        policies, (dest.namespace, dest.service_account), state.trust_domain, lookup
+    )
+
+
+def destinations_by_source(
+    policies: Sequence[MeshPolicy], trust_domain: str
+) -> dict[tuple[str, str], frozenset[tuple[str, str]]]:
+    """Enforce-mode rules inverted: caller identity -> destination identities whose rules name
+    it (a caller's change recompiles only those destinations' authorization)."""
+    out: dict[tuple[str, str], set[tuple[str, str]]] = {}
     for policy in policies:
-        if policy.audit or policy.namespace != dest.namespace:
+        if policy.audit:
             continue
-        if policy.destination_service_account != dest.service_account:
-            continue
+        dest = (policy.namespace, policy.destination_service_account)
         for rule in policy.rules:
-            for caller in callers:
-                if not any(s.matches(state.trust_domain, caller) for s in rule.sources):
-                    continue
-                if rule.when_claims is not None and not rule.when_claims.matches(caller):
-                    continue
-                principal = caller.registration.spiffe_id(state.trust_domain)
-                if principal in out and (not out[principal] or not rule.to):
-                    out[principal] = ()
-                else:
-                    out[principal] = tuple(dict.fromkeys(out.get(principal, ()) + rule.to))
-    return tuple(Permission(p, out[p]) for p in sorted(out))
+            for source in rule.sources:
+                principal = source_principal(source, trust_domain)
+                if principal is not None:
+                    out.setdefault(principal, set()).add(dest)
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +328,9 @@ __all__ = [
     "Rule",
     "Source",
     "compile_permissions",
+    "compile_permissions_for",
+    "destinations_by_source",
     "parse_mesh_policies",
+    "source_principal",
     "spiffe_id",
 ]

@@ -1,15 +1,15 @@
 """A renewal changes nothing the snapshots are built from; a quarantine or a new measurement
-does. The xDS publisher rebuilds only then."""
+does. The xDS publisher rebuilds only then, and only the nodes that depend on the change."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from datetime import timedelta
 
-from attestmesh.serve import XdsPublisher
-from tests.unit.xds.meshfixture import NOW, TRUST, allow, two_workloads
-from xds.build import config_view
+from tests.unit.xds.meshfixture import NOW, TD, TRUST, allow, two_workloads
 from xds.cache import SnapshotCache
+from xds.index import affected_by
+from xds.publisher import XdsPublisher
 from xds.state import AttestationRecord, IssuedCert, Trigger, quarantine, record_attestation
 
 
@@ -22,38 +22,39 @@ def renewed(state, name: str = "frontend"):  # type: ignore[no-untyped-def]
     return new
 
 
-def test_renewal_keeps_the_view_quarantine_and_measurements_change_it() -> None:
+def test_renewal_affects_nothing_quarantine_and_measurements_do() -> None:
     state = two_workloads()
-    assert config_view(renewed(state)) == config_view(state)
+    old = state.workloads["frontend"]
+    a = affected_by(old, renewed(state).workloads["frontend"], TD)
+    assert (a.own, a.services, a.principals) == (False, frozenset(), frozenset())
     q, _ = quarantine(state, "backend", Trigger.OPERATOR, "x", NOW)
-    assert config_view(q) != config_view(state)
-    w = state.workloads["frontend"]
-    assert w.attestation is not None
-    other = replace(w.attestation, measurements={"measurement": "ab"})
-    moved = replace(state, workloads={**state.workloads, "frontend": replace(w, attestation=other)})
-    assert config_view(moved) != config_view(state)
-
-
-class CountingCache(SnapshotCache):
-    def __init__(self) -> None:
-        super().__init__()
-        self.sets = 0
-
-    def set_snapshots(self, snapshots):  # type: ignore[no-untyped-def]
-        self.sets += 1
-        super().set_snapshots(snapshots)
+    a = affected_by(state.workloads["backend"], q.workloads["backend"], TD)
+    assert a.own and a.services == {"backend"} and a.principals == {("default", "backend")}
+    assert old.attestation is not None
+    other = replace(old, attestation=replace(old.attestation, measurements={"measurement": "ab"}))
+    a = affected_by(old, other, TD)
+    # a caller's claims feed claims-based rules only: its own config and services stay
+    assert (a.own, a.services, a.principals) == (False, frozenset(), {("default", "frontend")})
 
 
 def test_publisher_rebuilds_only_on_change() -> None:
-    cache = CountingCache()
+    cache = SnapshotCache()
     pub = XdsPublisher(cache)
     policies = [allow("backend", "frontend")]
     state = two_workloads()
     pub.publish(state, policies, TRUST)
-    pub.publish(renewed(state), policies, TRUST)  # a renewal
-    assert cache.sets == 1
-    pub.publish(state, policies, replace(TRUST, crl_pem=b"other"))  # a revocation
-    assert cache.sets == 2
-    pub.publish(state, [], replace(TRUST, crl_pem=b"other"))  # a mesh policy change
-    assert cache.sets == 3
+    with cache.watch("frontend"), cache.watch("backend"):
+        assert cache.get("frontend") is not None  # built on demand, once
+        assert cache.get("backend") is not None
+        built = cache.built
+        pub.publish(renewed(state), policies, TRUST, changed={"frontend"})  # a renewal
+        assert cache.built == built
+        pub.publish(state, policies, replace(TRUST, crl_pem=b"other"))  # a revocation
+        assert cache.built == built + 2
+        pub.publish(state, [], replace(TRUST, crl_pem=b"other"))  # a mesh policy change
+        assert cache.built == built + 4
+        q, _ = quarantine(state, "backend", Trigger.OPERATOR, "x", NOW)
+        pub.publish(q, [], replace(TRUST, crl_pem=b"other"), changed={"backend"})
+        # backend itself, and frontend, a caller of its service
+        assert cache.built == built + 6
     assert cache.get("frontend") is not None

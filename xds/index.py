@@ -1,0 +1,180 @@
+"""Indexes over the mesh, kept up to date per changed workload, so that a change costs what it
+touches and never a scan of the mesh. Pure (no I/O): a data structure with O(1) updates.
+
+- ``members[service]``: workloads registered as that service;
+- ``callers[service]``: workloads whose outbound configuration names that service;
+- ``principals[(namespace, service_account)]``: workloads holding that SPIFFE identity.
+
+:func:`affected_by` says, for one workload's old and new record, which services' shared
+resources and which destination principals' authorization rules depend on what changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from xds.state import MeshState, Registration, Status, WorkloadState
+
+Identity = tuple[str, str]  # (namespace, service account)
+
+
+def principal_of(reg: Registration) -> Identity:
+    return (reg.namespace, reg.service_account)
+
+
+def parse_spiffe_principal(trust_domain: str, identity: str) -> Identity | None:
+    """``spiffe://<td>/ns/<ns>/sa/<sa>`` -> (ns, sa); anything else names no workload."""
+    prefix = f"spiffe://{trust_domain}/ns/"
+    if not identity.startswith(prefix):
+        return None
+    ns, sep, sa = identity[len(prefix) :].partition("/sa/")
+    if not sep or not ns or not sa or "/" in ns or "/" in sa:
+        return None
+    return (ns, sa)
+
+
+def _add(index: dict[str, set[str]] | dict[Identity, set[str]], key: object, name: str) -> None:
+    index.setdefault(key, set()).add(name)  # type: ignore[arg-type]
+
+
+def _discard(index: dict[str, set[str]] | dict[Identity, set[str]], key: object, name: str) -> None:
+    names = index.get(key)  # type: ignore[call-overload]
+    if names is not None:
+        names.discard(name)
+        if not names:
+            del index[key]  # type: ignore[arg-type]
+
+
+class MeshIndex:
+    """The workloads of a mesh and three reverse indexes over them."""
+
+    def __init__(self, trust_domain: str) -> None:
+        self.trust_domain = trust_domain
+        self.workloads: dict[str, WorkloadState] = {}
+        self.members: dict[str, set[str]] = {}
+        self.callers: dict[str, set[str]] = {}
+        self.principals: dict[Identity, set[str]] = {}
+        self.quarantined = 0
+
+    @classmethod
+    def of(cls, state: MeshState) -> MeshIndex:
+        index = cls(state.trust_domain)
+        for name, w in state.workloads.items():
+            index.put(name, w)
+        return index
+
+    def put(self, name: str, new: WorkloadState | None) -> WorkloadState | None:
+        """Record ``name``'s new record (None: gone); returns the previous one."""
+        old = self.workloads.get(name)
+        if old is new:
+            return old
+        if old is not None:
+            reg = old.registration
+            _discard(self.members, reg.service, name)
+            for service in reg.outbound:
+                _discard(self.callers, service, name)
+            _discard(self.principals, principal_of(reg), name)
+            self.quarantined -= old.status is Status.QUARANTINED
+            del self.workloads[name]
+        if new is not None:
+            reg = new.registration
+            _add(self.members, reg.service, name)
+            for service in reg.outbound:
+                _add(self.callers, service, name)
+            _add(self.principals, principal_of(reg), name)
+            self.quarantined += new.status is Status.QUARANTINED
+            self.workloads[name] = new
+        return old
+
+    def get(self, name: str) -> WorkloadState | None:
+        return self.workloads.get(name)
+
+    def peers(self, service: str) -> list[Registration]:
+        """Attested workloads serving ``service``."""
+        out = []
+        for name in self.members.get(service, ()):
+            w = self.workloads[name]
+            if w.status is Status.ATTESTED:
+                out.append(w.registration)
+        return out
+
+    def attested_with(self, principal: Identity) -> Iterator[WorkloadState]:
+        for name in self.principals.get(principal, ()):
+            w = self.workloads[name]
+            if w.status is Status.ATTESTED:
+                yield w
+
+    def callers_of(self, services: Iterable[str]) -> set[str]:
+        out: set[str] = set()
+        for service in services:
+            out |= self.callers.get(service, set())
+        return out
+
+    def holders_of(self, principals: Iterable[Identity]) -> set[str]:
+        out: set[str] = set()
+        for p in principals:
+            out |= self.principals.get(p, set())
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Affected:
+    """What one workload's change touches: its own configuration, the shared resources of
+    services it serves (callers' clusters and endpoints), and the authorization rules of
+    destinations whose policies name its identity."""
+
+    own: bool
+    services: frozenset[str]
+    principals: frozenset[Identity]  # callers' identities whose rules must be recompiled
+
+
+def _serving(w: WorkloadState | None, td: str) -> tuple[object, ...] | None:
+    if w is None or w.status is not Status.ATTESTED:
+        return None
+    r = w.registration
+    return (r.service, r.spiffe_id(td), r.inbound, r.ready)
+
+
+def _calling(w: WorkloadState | None) -> tuple[object, ...] | None:
+    if w is None or w.status is not Status.ATTESTED:
+        return None
+    a = w.attestation
+    claims = None if a is None else (a.tee, tuple(sorted(a.measurements.items())))
+    return (principal_of(w.registration), claims)
+
+
+def affected_by(
+    old: WorkloadState | None, new: WorkloadState | None, trust_domain: str
+) -> Affected:
+    """Pure: what depends on the difference between ``old`` and ``new`` (a renewal: nothing)."""
+    old_reg = None if old is None else old.registration
+    new_reg = None if new is None else new.registration
+    old_att = old is not None and old.status is Status.ATTESTED
+    new_att = new is not None and new.status is Status.ATTESTED
+    own = new is not None and (old_reg != new_reg or old_att != new_att)
+    services: set[str] = set()
+    if _serving(old, trust_domain) != _serving(new, trust_domain):
+        services |= {r.service for r in (old_reg, new_reg) if r is not None}
+    principals: set[Identity] = set()
+    if _calling(old) != _calling(new):
+        principals |= {principal_of(r) for r in (old_reg, new_reg) if r is not None}
+    return Affected(own, frozenset(services), frozenset(principals))
+
+
+def changed_names(old: Mapping[str, WorkloadState], new: Mapping[str, WorkloadState]) -> set[str]:
+    """Names whose record differs (identity first, so unchanged records cost a pointer compare)."""
+    out = {n for n, w in new.items() if old.get(n) is not w}
+    out |= {n for n in old if n not in new}
+    return out
+
+
+__all__ = [
+    "Affected",
+    "Identity",
+    "MeshIndex",
+    "affected_by",
+    "changed_names",
+    "parse_spiffe_principal",
+    "principal_of",
+]
