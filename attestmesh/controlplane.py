@@ -152,7 +152,7 @@ class ControlPlane:
         self._random = random_bytes
         self._identity = identity or RegistrationTokenCheck()
         self._collateral = dict(collateral_sources or {})
-        self._nonces = NonceBook()
+        self._nonces = NonceBook(key=random_bytes(32))  # stateless nonces: nothing to exhaust
         self._crl_at: datetime | None = None
         self._ca_retry_at: datetime | None = None
         self._trust = self._build_trust(clock())
@@ -221,9 +221,16 @@ class ControlPlane:
             events += ev
         self._apply(state, events)
 
-    def challenge(self, client: str = "") -> tuple[bytes, datetime]:
-        nonce = self._random(32)
-        return nonce, self._nonces.issue(nonce, self._clock(), client)
+    def challenge(self) -> tuple[bytes, datetime]:
+        """A fresh authenticated nonce and its expiry; issuing keeps no state."""
+        return self._nonces.issue(self._clock(), self._random)
+
+    async def authenticate(self, workload: str, token: str | None) -> Status:
+        """The workload's status, once the caller proved to be it. Raises UnknownWorkloadError
+        or IdentityError (the API answers both alike); changes nothing."""
+        w = self._state.get(workload)
+        await self._identity.check(w.registration, token)
+        return self._state.get(workload).status  # fresh: the check awaited
 
     async def attest(self, req: AttestRequest, token: str | None) -> Issued:
         """Verify, appraise and issue. A failed re-attestation of an attested workload

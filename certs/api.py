@@ -1,11 +1,18 @@
 """The attestation API over HTTPS (aiohttp): challenge, attest, renew. Thin: it translates
-JSON to ``AttestRequest`` and errors to HTTP, and delegates to the control plane."""
+JSON to ``AttestRequest`` and errors to HTTP, and delegates to the control plane.
+
+Who is registered is not revealed to a caller who cannot prove to be that workload: an
+unknown workload and bad credentials get one answer (401 identity_invalid, one fixed detail),
+and anything that depends on the workload's state (e.g. renew's 409 not_attested) is answered
+only after the identity check. The metrics keep the distinct reasons (``unknown_identity``,
+``identity_invalid``); the identity check's own detail goes to the debug log."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -18,16 +25,20 @@ from certs.issuance import AttestRequest, EvidenceRejected, IdentityError
 from certs.nonces import NonceError
 from xds.state import QuarantinedError, Status, UnknownWorkloadError
 
+log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20
 MAX_COLLATERAL_ITEMS = 16
+IDENTITY_REFUSED = "unknown workload or bad credentials"
 
 
 class Issuing(Protocol):
     """What the API needs from the control plane."""
 
-    def challenge(self, client: str = ...) -> tuple[bytes, Any]: ...
+    def challenge(self) -> tuple[bytes, Any]: ...
 
     async def attest(self, req: AttestRequest, token: str | None) -> Any: ...
+
+    async def authenticate(self, workload: str, token: str | None) -> Status: ...
 
     def status_of(self, workload: str) -> Status: ...
 
@@ -39,14 +50,12 @@ class RequestError(AttestmeshError):
 
 
 def _http_status(exc: AttestmeshError) -> int:
-    if exc.reason == "too_many_challenges":
-        return 429
+    if exc.reason == "nonce_capacity":
+        return 503  # too many attestations within one nonce lifetime: retry shortly
     if isinstance(exc, RequestError | CsrError | NonceError):
         return 400
-    if isinstance(exc, IdentityError):
+    if isinstance(exc, IdentityError | UnknownWorkloadError):
         return 401
-    if isinstance(exc, UnknownWorkloadError):
-        return 404
     if isinstance(exc, EvidenceRejected | QuarantinedError):
         return 403
     if isinstance(exc, CollateralError):
@@ -54,6 +63,14 @@ def _http_status(exc: AttestmeshError) -> int:
     if exc.reason == "not_attested":
         return 409
     return 400
+
+
+def public_error(exc: AttestmeshError) -> tuple[int, dict[str, str]]:
+    """The status and body a refused caller gets. An unknown workload and bad credentials
+    answer alike, so names cannot be enumerated."""
+    if isinstance(exc, IdentityError | UnknownWorkloadError):
+        return 401, {"error": "identity_invalid", "detail": IDENTITY_REFUSED}
+    return _http_status(exc), {"error": exc.reason, "detail": exc.detail}
 
 
 def _b64(body: dict[str, Any], key: str, *, required: bool = True) -> bytes:
@@ -78,11 +95,15 @@ def parse_attest_body(body: Any) -> AttestRequest:
     if not isinstance(collateral_raw, dict) or len(collateral_raw) > MAX_COLLATERAL_ITEMS:
         raise RequestError("request_malformed", "collateral must map names to base64 strings")
     collateral = {str(k): _b64(collateral_raw, k) for k in collateral_raw}
+    try:
+        csr_pem = body["csr"].encode("ascii")
+    except UnicodeEncodeError:
+        raise RequestError("request_malformed", "csr must be PEM (ASCII)") from None
     return AttestRequest(
         workload=body["workload"],
         tee=body["tee"],
         evidence=_b64(body, "evidence"),
-        csr_pem=body["csr"].encode(),
+        csr_pem=csr_pem,
         nonce=_b64(body, "nonce"),
         collateral=collateral,
     )
@@ -109,9 +130,10 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
                 return await handler(request)
             except AttestmeshError as exc:
                 metrics.api_rejections.labels(endpoint, exc.reason).inc()
-                return web.json_response(
-                    {"error": exc.reason, "detail": exc.detail}, status=_http_status(exc)
-                )
+                status, body = public_error(exc)
+                if body["error"] != exc.reason or body["detail"] != exc.detail:
+                    log.debug("%s refused: %s: %s", endpoint, exc.reason, exc.detail)
+                return web.json_response(body, status=status)
 
         return wrapper
 
@@ -120,9 +142,11 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
             return await request.json(loads=json.loads)
         except (ValueError, UnicodeDecodeError):
             raise RequestError("request_malformed", "body is not JSON") from None
+        except RecursionError:  # e.g. 200,000 nested arrays: the decoder's depth limit
+            raise RequestError("request_malformed", "body is nested too deeply") from None
 
     async def challenge(request: web.Request) -> web.Response:
-        nonce, expires = cp.challenge(request.remote or "")
+        nonce, expires = cp.challenge()
         return web.json_response(
             {"nonce": base64.b64encode(nonce).decode(), "expires_at": expires.isoformat()}
         )
@@ -137,9 +161,15 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
 
     async def renew(request: web.Request) -> web.Response:
         req = parse_attest_body(await read_json(request))
-        if cp.status_of(req.workload) is Status.PENDING:
+        token = token_of(request)
+        # "not attested" is told only to the workload itself: the identity check comes first
+        # (cp.attest checks it for the others; an unknown name raises here, answered alike)
+        if (
+            cp.status_of(req.workload) is Status.PENDING
+            and await cp.authenticate(req.workload, token) is Status.PENDING
+        ):
             raise AttestmeshError("not_attested", "renewal needs an attested workload; attest")
-        return web.json_response(issued_json(await cp.attest(req, token_of(request))))
+        return web.json_response(issued_json(await cp.attest(req, token)))
 
     async def trust(request: web.Request) -> web.Response:
         return web.json_response(cp.trust_json())

@@ -1,90 +1,121 @@
-"""Single-use attestation nonces with a short expiry. Time and randomness come in as arguments."""
+"""Stateless, authenticated, single-use attestation nonces. Time and randomness are arguments.
+
+A nonce carries its own proof of origin and its own expiry, so issuing one keeps no state and
+cannot be exhausted by anyone, however many challenges they ask for:
+
+    nonce = random (16) || expiry (8, big-endian milliseconds since the Unix epoch)
+            || HMAC-SHA256(key, random || expiry)[:8]                        32 bytes in all
+
+``consume`` checks the MAC (constant time), then the expiry, then a replay set of nonces
+already consumed. The replay set keeps each nonce only until its expiry (after it the expiry
+check refuses it anyway), is pruned in O(expired) from a heap ordered by expiry, and is
+bounded: when full it refuses new consumes (``nonce_capacity``) rather than grow. Only callers
+that passed the identity check reach ``consume``, so filling it takes that many authenticated
+attestations inside one nonce lifetime.
+
+The key is random per process by default: after a restart every outstanding nonce fails its
+MAC and is refused, which is the safe direction. Replicas that share the key accept each
+other's nonces; each keeps its own replay set (a shared one belongs in the store).
+"""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+import hashlib
+import heapq
+import hmac
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 from certs.binding import NONCE_LEN
 from certs.errors import AttestmeshError
 
+RANDOM_LEN = 16
+EXPIRY_LEN = 8
+MAC_LEN = 8
+KEY_LEN = 32
+assert RANDOM_LEN + EXPIRY_LEN + MAC_LEN == NONCE_LEN
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MS = timedelta(milliseconds=1)
+
 
 class NonceError(AttestmeshError):
-    """Unknown, expired or already used nonce."""
+    """Forged, expired or already used nonce; or no room left to remember it as used."""
+
+
+def _ms(t: datetime) -> int:
+    return (t - _EPOCH) // _MS
 
 
 class NonceBook:
-    """Outstanding and recently used nonces, bounded in size overall and per client.
-
-    Nonces live in memory on purpose: after a restart every outstanding nonce is unknown and
-    is refused, which is the safe direction. The per-client bound keeps one flooding client
-    from exhausting the challenges everyone else needs. Pruning is O(expired): entries are
-    kept in issue order, which is expiry order.
-    """
+    """Issues nonces without state; remembers consumed ones until they expire (bounded)."""
 
     def __init__(
         self,
         ttl: timedelta = timedelta(seconds=60),
-        max_outstanding: int = 100_000,
-        max_per_client: int = 64,
+        max_consumed: int = 100_000,
+        *,
+        key: bytes | None = None,
     ) -> None:
+        if ttl <= timedelta(0):
+            raise ValueError("ttl must be positive")
+        if max_consumed < 1:
+            raise ValueError("max_consumed must be at least 1")
+        if key is not None and len(key) < 16:
+            raise ValueError("the nonce key must be at least 16 bytes")
         self._ttl = ttl
-        self._max = max_outstanding
-        self._max_per_client = max_per_client
-        self._outstanding: dict[bytes, tuple[datetime, str]] = {}
-        self._per_client: dict[str, int] = {}
-        self._used: dict[bytes, datetime] = {}
+        self._max = max_consumed
+        self._key = key if key is not None else secrets.token_bytes(KEY_LEN)
+        self._consumed: set[bytes] = set()
+        self._expiries: list[tuple[int, bytes]] = []  # heap: (expiry ms, nonce)
 
     @property
     def ttl(self) -> timedelta:
         return self._ttl
 
-    def issue(self, nonce: bytes, now: datetime, client: str = "") -> datetime:
-        if len(nonce) != NONCE_LEN:
-            raise ValueError("nonce must be 32 bytes")
-        self._prune(now)
-        if len(self._outstanding) >= self._max:
-            raise NonceError("too_many_challenges", "too many outstanding challenges; retry later")
-        if self._per_client.get(client, 0) >= self._max_per_client:
-            raise NonceError(
-                "too_many_challenges", "this client has too many outstanding challenges"
-            )
-        expires = now + self._ttl
-        self._outstanding[nonce] = (expires, client)
-        self._per_client[client] = self._per_client.get(client, 0) + 1
-        return expires
+    @property
+    def consumed(self) -> int:
+        """How many consumed, unexpired nonces the replay set holds (as of the last call)."""
+        return len(self._consumed)
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._key, body, hashlib.sha256).digest()[:MAC_LEN]
+
+    def issue(self, now: datetime, random: Callable[[int], bytes]) -> tuple[bytes, datetime]:
+        """A fresh nonce and its expiry. Keeps no state."""
+        rnd = random(RANDOM_LEN)
+        if len(rnd) != RANDOM_LEN:
+            raise ValueError(f"random({RANDOM_LEN}) returned {len(rnd)} bytes")
+        expires_ms = _ms(now + self._ttl)
+        body = rnd + expires_ms.to_bytes(EXPIRY_LEN, "big")
+        return body + self._mac(body), _EPOCH + expires_ms * _MS
 
     def consume(self, nonce: bytes, now: datetime) -> None:
-        entry = self._outstanding.pop(nonce, None)
-        if entry is None:
-            if nonce in self._used:
-                raise NonceError("nonce_reused", "this nonce was already used")
+        """Accept a nonce this book (or one sharing its key) issued, once, before it expires."""
+        if len(nonce) != NONCE_LEN:
+            raise NonceError("nonce_unknown", f"a nonce is {NONCE_LEN} bytes")
+        body, mac = nonce[: RANDOM_LEN + EXPIRY_LEN], nonce[RANDOM_LEN + EXPIRY_LEN :]
+        if not hmac.compare_digest(mac, self._mac(body)):
             raise NonceError(
-                "nonce_unknown", "no such challenge (expired long ago, or never issued)"
+                "nonce_unknown", "no such challenge (not issued by this control plane)"
             )
-        expires, client = entry
-        self._release(client)
-        self._used[nonce] = expires
-        if now >= expires:
+        expires_ms = int.from_bytes(body[RANDOM_LEN:], "big")
+        now_ms = _ms(now)
+        if now_ms >= expires_ms:
             raise NonceError("nonce_expired", "the challenge expired; request a new one")
+        self._prune(now_ms)
+        if nonce in self._consumed:
+            raise NonceError("nonce_reused", "this nonce was already used")
+        if len(self._consumed) >= self._max:
+            raise NonceError(
+                "nonce_capacity",
+                "too many attestations within one challenge lifetime; retry shortly",
+            )
+        self._consumed.add(nonce)
+        heapq.heappush(self._expiries, (expires_ms, nonce))
 
-    def _release(self, client: str) -> None:
-        left = self._per_client[client] - 1
-        if left:
-            self._per_client[client] = left
-        else:
-            del self._per_client[client]
-
-    def _prune(self, now: datetime) -> None:
-        # Expired challenges are kept one more TTL so a late attempt is told "expired".
-        cutoff = now - self._ttl
-        while self._outstanding:
-            nonce, (expires, client) = next(iter(self._outstanding.items()))
-            if expires > cutoff:
-                break
-            del self._outstanding[nonce]
-            self._release(client)
-        while self._used:
-            nonce, expires = next(iter(self._used.items()))
-            if expires > cutoff:
-                break
-            del self._used[nonce]
+    def _prune(self, now_ms: int) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now_ms:
+            _, nonce = heapq.heappop(heap)
+            self._consumed.discard(nonce)

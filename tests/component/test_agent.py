@@ -233,7 +233,7 @@ async def test_agent_surfaces_the_control_planes_reasons(server: Server) -> None
     assert sink.updates == [] and agent.current is None
     ghost, _, _ = _agent(server, "ghost")
     err = await _refused(ghost)
-    assert (err.reason, err.status) == ("unknown_identity", 404)
+    assert (err.reason, err.status) == ("identity_invalid", 401)  # like bad credentials
 
 
 async def test_failed_renewal_quarantines_and_the_agent_reports_it(server: Server) -> None:

@@ -310,13 +310,42 @@ async def test_unknown_nonce(env: Env) -> None:
     assert_refused(env, await attest(env, nonce=bytes(32)), 400, "nonce_unknown")
 
 
-async def test_unknown_identity(env: Env) -> None:
-    assert_refused(env, await attest(env, "ghost"), 404, "unknown_identity")
-
-
-async def test_identity_token(env: Env) -> None:
-    assert_refused(env, await attest(env, "tok-1", token="wrong"), 401, "identity_invalid")
+async def test_unknown_workload_and_bad_credentials_answer_alike(env: Env) -> None:
+    # names cannot be enumerated: the answers are identical, the metrics keep them apart
+    ghost = await attest(env, "ghost")
+    wrong = await attest(env, "tok-1", token="wrong")
+    missing = await attest(env, "tok-1")
+    for reply in (ghost, wrong, missing):
+        assert (reply.status, reply.body) == (
+            401,
+            {"error": "identity_invalid", "detail": "unknown workload or bad credentials"},
+        )
+    assert env.plane.rejections("attest", "unknown_identity") == 1.0
+    assert env.plane.rejections("attest", "identity_invalid") == 2.0
+    assert env.plane.issued == 0.0
     assert (await attest(env, "tok-1", token=TOKEN)).status == 200
+
+
+async def test_renew_checks_identity_before_telling_not_attested(env: Env) -> None:
+    # before the fix renew answered 409 for a pending workload and 404 for an unknown one,
+    # before any identity check: an oracle. Now whoever cannot prove to be the workload hears
+    # the same 401, pending or attested; only the workload itself hears 409 not_attested.
+    uniform = (401, {"error": "identity_invalid", "detail": "unknown workload or bad credentials"})
+    replies = [
+        await attest(env, "ghost", path="/v1/renew"),
+        await attest(env, "tok-1", path="/v1/renew", token="wrong"),  # pending, bad token
+        await attest(env, "tok-1", path="/v1/renew"),  # pending, no token
+    ]
+    assert (await attest(env, "tok-1", token=TOKEN)).status == 200  # now attested
+    replies.append(await attest(env, "tok-1", path="/v1/renew", token="wrong"))
+    assert [(r.status, r.body) for r in replies] == [uniform] * 4
+    assert env.plane.rejections("renew", "unknown_identity") == 1.0
+    assert env.plane.rejections("renew", "identity_invalid") == 3.0
+    assert env.cp.status_of("tok-1") is Status.ATTESTED  # refusals change nothing
+    assert (await attest(env, "tok-1", path="/v1/renew", token=TOKEN)).status == 200
+    # the workload itself, pending, is told to attest
+    reply = await attest(env, "web-1", path="/v1/renew")
+    assert (reply.status, reply.body["error"]) == (409, "not_attested")
 
 
 async def test_no_governing_policy(env: Env) -> None:
@@ -349,19 +378,68 @@ async def test_sim_refused_without_a_sim_verifier(tmp_path: Path, clock: Clock) 
 async def test_renew_needs_an_attested_workload(env: Env) -> None:
     reply = await attest(env, path="/v1/renew")
     assert_refused(env, reply, 409, "not_attested", endpoint="renew")
-    reply = await attest(env, "ghost", path="/v1/renew")
-    assert (reply.status, reply.body["error"]) == (404, "unknown_identity")
 
 
-async def test_too_many_outstanding_challenges_is_429(
+async def test_a_challenge_flood_exhausts_nothing(env: Env) -> None:
+    # before: 64 outstanding challenges per remote address, so one loopback/NAT neighbour
+    # starved everyone. Now a nonce is authenticated and stateless: issuing keeps nothing.
+    for _ in range(2_000):
+        await challenge(env)
+    assert env.cp._nonces.consumed == 0
+    reply = await attest(env)
+    assert reply.status == 200, reply.body
+    assert env.plane.rejections("challenge", "too_many_challenges") == 0.0
+
+
+async def test_forged_nonce_is_unknown(env: Env) -> None:
+    nonce = bytearray(await challenge(env))
+    nonce[20] ^= 1  # push the expiry: the MAC no longer matches
+    assert_refused(env, await attest(env, nonce=bytes(nonce)), 400, "nonce_unknown")
+
+
+async def test_a_full_replay_set_is_503_retry_later(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(env.cp, "_nonces", NonceBook(max_outstanding=1))
-    await challenge(env)
-    resp = await env.client.post("/v1/challenge")
-    body = await resp.json()
-    assert (resp.status, body["error"]) == (429, "too_many_challenges")
-    assert env.plane.rejections("challenge", "too_many_challenges") == 1.0
+    monkeypatch.setattr(env.cp, "_nonces", NonceBook(max_consumed=1))
+    assert (await attest(env)).status == 200
+    reply = await attest(env, "tok-1", token=TOKEN)
+    assert (reply.status, reply.body["error"]) == (503, "nonce_capacity")
+    assert env.plane.rejections("attest", "nonce_capacity") == 1.0
+    assert env.cp.status_of("tok-1") is Status.PENDING
+    env.clock.advance(seconds=61)  # the first nonce expired and left the replay set
+    assert (await attest(env, "tok-1", token=TOKEN)).status == 200
+
+
+async def test_deeply_nested_json_is_malformed_not_a_server_error(env: Env) -> None:
+    depth = 200_000
+    for path in ("/v1/attest", "/v1/renew"):
+        resp = await env.client.post(path, data=b"[" * depth + b"]" * depth)
+        body = await resp.json()
+        assert (resp.status, body["error"]) == (400, "request_malformed"), body
+    assert env.plane.rejections("attest", "request_malformed") == 1.0
+
+
+async def test_csr_that_is_not_ascii_is_malformed_not_a_server_error(env: Env) -> None:
+    reply = await attest(env, override={"csr": "\ud800"})  # a lone surrogate
+    assert_refused(env, reply, 400, "request_malformed")
+
+
+async def test_audit_only_policy_admits_nothing(tmp_path: Path, clock: Clock) -> None:
+    # before: a workload governed only by an audit-mode policy was admitted whatever it showed
+    async with _env(tmp_path, clock, policies=[policy_doc(mode="audit", allowDebug=True)]) as env:
+        assert_refused(env, await attest(env), 403, "no_enforcing_policy")
+        reply = await attest(env, measurement=OTHER_MEASUREMENT)
+        assert (reply.status, reply.body["error"]) == (403, "no_enforcing_policy")
+        assert env.cp.status_of("web-1") is Status.PENDING
+
+
+async def test_policy_change_to_audit_only_quarantines_a_running_workload(env: Env) -> None:
+    assert (await attest(env)).status == 200
+    env.cp.set_policies([policy_doc(mode="audit")])
+    w = env.cp.state.get("web-1")
+    assert w.status is Status.QUARANTINED
+    assert w.quarantine.trigger is Trigger.POLICY_CHANGED
+    assert w.quarantine.reason.startswith("no_enforcing_policy")
 
 
 async def test_oversized_body_is_refused(env: Env) -> None:
