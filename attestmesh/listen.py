@@ -203,40 +203,92 @@ class _Listener:
 
 class _Admission(asyncio.Protocol):
     """The first protocol of every accepted socket: admits it (or closes it) before anything
-    is allocated for it, then hands the socket to TLS or straight to the guarded application."""
+    is allocated for it. Plain TCP goes straight to the guarded application; TLS waits here,
+    cheaply, for the client's first byte (a silent socket costs no TLS state), then goes to
+    ``_LeanSSLProtocol`` with what is left of the handshake timeout."""
 
-    __slots__ = ("_listener",)
+    __slots__ = ("_listener", "_source", "_started", "_timer", "_transport")
 
     def __init__(self, listener: _Listener) -> None:
         self._listener = listener
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._source: str | None = None
+        self._started = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         lst = self._listener
+        assert isinstance(transport, asyncio.Transport)
         source = _source_key(transport.get_extra_info("peername"))
         refused = lst.admit(source)
-        assert isinstance(transport, asyncio.Transport)
         if refused is not None:
             transport.abort()
             lst.report(refused)
             return
+        if lst.tls is not None:
+            self._transport = transport
+            self._source = source
+            self._started = lst.loop.time()
+            self._timer = lst.loop.call_at(
+                self._started + lst.limits.handshake_timeout, self._expire
+            )
+            return
         try:
             guard = _Guard(lst, lst.app_factory())
-            top: asyncio.BaseProtocol
-            if lst.tls is None:
-                guard.source = source
-                guard.owner = True
-                top = guard
-            else:
-                top = _make_tls(lst, guard, source)
         except BaseException:
             lst.release(source)
             transport.abort()
             raise
-        transport.set_protocol(top)
-        top.connection_made(transport)
+        guard.source = source
+        guard.owner = True
+        transport.set_protocol(guard)
+        guard.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        transport, lst = self._transport, self._listener
+        if transport is None:
+            return
+        self._transport = None  # the slot passes to the TLS protocol
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        left = max(self._started + lst.limits.handshake_timeout - lst.loop.time(), 0.001)
+        try:
+            guard = _Guard(lst, lst.app_factory())
+            tls = _LeanSSLProtocol(lst.loop, guard, lst, self._source, left)
+        except BaseException:
+            lst.release(self._source)
+            transport.abort()
+            raise
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        view = memoryview(data)
+        while view and not transport.is_closing():
+            buf = tls.get_buffer(len(view))
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            view = view[n:]
+            tls.buffer_updated(n)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._transport is not None:
+            self._transport.abort()  # connection_lost reports and releases
 
     def connection_lost(self, exc: Exception | None) -> None:
-        pass  # refused: nothing was admitted
+        if self._transport is None:
+            return  # refused, or handed over
+        self._transport = None
+        lst = self._listener
+        lst.release(self._source)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        else:
+            lst.report(CloseReason.HANDSHAKE_TIMEOUT)
 
 
 # -- TLS ---------------------------------------------------------------------------------------
@@ -257,25 +309,26 @@ class _LeanSSLProtocol(sslproto.SSLProtocol):
         self,
         loop: asyncio.AbstractEventLoop,
         guard: _Guard,
-        context: _ssl.SSLContext,
-        limits: ListenLimits,
         listener: _Listener,
         source: str | None,
+        handshake_timeout: float,
     ) -> None:
+        limits = listener.limits
+        assert listener.tls is not None
         if _LEAN_TLS:
             self.max_size = limits.tls_read_buffer  # type: ignore[misc]  # see _LEAN_TLS
         super().__init__(
             loop,
             guard,
-            context,
+            listener.tls,
             None,  # type: ignore[arg-type]  # no waiter: nobody awaits a server handshake
             server_side=True,
-            ssl_handshake_timeout=limits.handshake_timeout,  # type: ignore[arg-type]
+            ssl_handshake_timeout=handshake_timeout,  # type: ignore[arg-type]
             ssl_shutdown_timeout=limits.handshake_timeout,
         )
         self._am_listener = listener
         self._am_source = source
-        self._am_started = loop.time()
+        self._am_deadline = loop.time() + handshake_timeout
         self._am_guard = guard
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -284,15 +337,8 @@ class _LeanSSLProtocol(sslproto.SSLProtocol):
         finally:
             lst = self._am_listener
             lst.release(self._am_source)
-            if not self._am_guard.established:
-                elapsed = lst.loop.time() - self._am_started
-                if elapsed >= lst.limits.handshake_timeout * 0.99:
-                    lst.report(CloseReason.HANDSHAKE_TIMEOUT)
-
-
-def _make_tls(lst: _Listener, guard: _Guard, source: str | None) -> asyncio.BaseProtocol:
-    assert lst.tls is not None
-    return _LeanSSLProtocol(lst.loop, guard, lst.tls, lst.limits, lst, source)
+            if not self._am_guard.established and lst.loop.time() >= self._am_deadline - 0.01:
+                lst.report(CloseReason.HANDSHAKE_TIMEOUT)
 
 
 # -- timeouts ----------------------------------------------------------------------------------
