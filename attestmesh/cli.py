@@ -200,16 +200,46 @@ def _demo(args: argparse.Namespace) -> int:
         return 130
 
 
+def _ops_token(args: argparse.Namespace) -> str | None:
+    """The control plane's ops token: --ops-token-file, else <--state-dir>/ops-token."""
+    path: Path | None = args.ops_token_file
+    if path is None and args.state_dir is not None:
+        path = args.state_dir / "ops-token"
+    if path is None:
+        return None
+    try:
+        token = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AttestmeshError(
+            "ops_token_unreadable",
+            f"cannot read the ops token at {path} ({exc.__class__.__name__}); --state-dir must "
+            "be the running control plane's",
+        ) from None
+    if not token:
+        raise AttestmeshError("ops_token_unreadable", f"{path} is empty")
+    return token
+
+
 def _admin(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
     url = f"http://127.0.0.1:{args.ops_port}{path}"
+    token = _ops_token(args)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (loopback URL)
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
+        if exc.code == 401:
+            how = "was refused" if token is not None else "is required"
+            raise AttestmeshError(
+                "ops_unauthenticated",
+                f"the control plane's ops token {how}: pass --state-dir (the control plane's) "
+                "or --ops-token-file",
+            ) from None
         raise AttestmeshError("admin_error", f"{exc.code}: {detail}") from None
     except urllib.error.URLError as exc:
         raise AttestmeshError(
@@ -349,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("name", nargs="?")
     q.add_argument("--reason", default="operator command")
     q.add_argument("--ops-port", type=int, default=9090, help="control plane ops port")
+    q.add_argument(
+        "--state-dir", type=Path, help="the control plane's state directory (reads ops-token)"
+    )
+    q.add_argument("--ops-token-file", type=Path, help="file holding the ops token")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_quarantine)
 

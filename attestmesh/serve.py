@@ -6,8 +6,11 @@ Everything here is wiring; behaviour lives in the packages it composes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hmac
 import logging
+import os
 import secrets
 import ssl
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -258,8 +261,109 @@ def build_control_plane(
     return cp, publisher, store
 
 
-def build_ops_app(cp: ControlPlane, metrics: Metrics) -> web.Application:
-    """Loopback-only operations endpoint: metrics, health, quarantine administration."""
+OPS_TOKEN_FILE = "ops-token"  # noqa: S105 (a file name, not a secret)
+OPEN_OPS_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # read-only, for probes
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def ops_token_path(state_dir: Path) -> Path:
+    return state_dir / OPS_TOKEN_FILE
+
+
+def _read_ops_token(path: Path) -> str:
+    """The token in ``path``; FileNotFoundError if there is none; refused if others may read
+    it or it is not a token."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise AttestmeshError(
+            "ops_token_insecure",
+            f"{path} is readable by others (mode {mode & 0o777:o}); chmod 600 it, or delete it "
+            "to have a new one made",
+        )
+    token = path.read_text(encoding="ascii", errors="replace").strip()
+    if len(token) < 32 or not token.isascii() or not token.isprintable() or " " in token:
+        raise AttestmeshError("ops_token_invalid", f"{path} does not hold an ops token")
+    return token
+
+
+def ensure_ops_token(state_dir: Path, random: Callable[[int], bytes] = secrets.token_bytes) -> str:
+    """The ops API's bearer token, ``<state_dir>/ops-token``: made once (32 random bytes,
+    base64url; mode 0600; written to a private temporary file and hard-linked into place, so
+    it appears whole or not at all and never replaces an existing one), reused across
+    restarts. The ``attestmesh quarantine`` CLI reads it from the same place."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = ops_token_path(state_dir)
+    try:
+        return _read_ops_token(path)
+    except FileNotFoundError:
+        pass
+    token = base64.urlsafe_b64encode(random(32)).rstrip(b"=").decode()
+    tmp = state_dir / f".{OPS_TOKEN_FILE}.{os.getpid()}.{random(8).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process made it meanwhile: theirs holds
+            return _read_ops_token(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(state_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return token
+
+
+def _ops_refusal(status: int, error: str, detail: str, **headers: str) -> web.Response:
+    return web.json_response({"error": error, "detail": detail}, status=status, headers=headers)
+
+
+def ops_guard(token: str) -> Any:
+    """aiohttp middleware: every path but /metrics, /healthz and /readyz needs
+    ``Authorization: Bearer <token>`` (compared in constant time), a loopback Host, no Origin
+    header (no browser, so no cross-site request), and JSON for a request body."""
+    expected = token.encode()
+
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Coroutine[Any, Any, Any]]
+    ) -> Any:
+        if request.path in OPEN_OPS_PATHS:
+            return await handler(request)
+        if "Origin" in request.headers:
+            return _ops_refusal(
+                403, "origin_refused", "the ops API answers no browser (cross-site) requests"
+            )
+        if request.url.host not in _LOOPBACK_HOSTS:
+            return _ops_refusal(403, "host_refused", "the ops API answers loopback names only")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(errors="replace"), expected
+        ):
+            return _ops_refusal(
+                401,
+                "unauthenticated",
+                f"send Authorization: Bearer <the token in the control plane's "
+                f"<state-dir>/{OPS_TOKEN_FILE}>",
+                **{"WWW-Authenticate": "Bearer"},
+            )
+        if request.body_exists and request.content_type != "application/json":
+            return _ops_refusal(
+                415, "unsupported_media_type", "a request body must be application/json"
+            )
+        return await handler(request)
+
+    return guard
+
+
+def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Application:
+    """Loopback-only operations endpoint: metrics, health (open), quarantine administration
+    (``ops_guard``: bearer ``token``, no browser requests, JSON bodies)."""
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
@@ -298,7 +402,12 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics) -> web.Application:
     async def quarantine(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         known(name)
-        body = await request.json() if request.can_read_body else {}
+        body: Any = {}
+        if request.body_exists:
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                return _ops_refusal(400, "request_malformed", "body is not JSON")
         reason = str(body.get("reason", "operator command")) if isinstance(body, dict) else ""
         changed = cp.quarantine(name, Trigger.OPERATOR, reason or "operator command")
         return web.json_response({"changed": changed, **workload_json(name)})
@@ -323,7 +432,7 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics) -> web.Application:
             ]
         )
 
-    app = web.Application()
+    app = web.Application(middlewares=[ops_guard(token)], client_max_size=64 * 1024)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", healthz)
@@ -386,6 +495,7 @@ async def run_control_plane(
 ) -> None:
     """Run until ``stop`` is set: attestation API (HTTPS), ADS (gRPC), ops (HTTP, loopback),
     and whatever ``hooks.run`` adds (Kubernetes mode)."""
+    ops_token = ensure_ops_token(settings.state_dir)  # made or refused before any state opens
     metrics = metrics or Metrics()
     install_validator_cache()  # see xds/pb.py: one pydantic validator per class
     warm()
@@ -399,7 +509,7 @@ async def run_control_plane(
         contexts = [tls] if xds_tls is None else [tls, xds_tls]
         _load_server_cert(contexts, cp.ca, settings, datetime.now(UTC))
         api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
-        ops_runner = web.AppRunner(build_ops_app(cp, metrics), access_log=None)
+        ops_runner = web.AppRunner(build_ops_app(cp, metrics, ops_token), access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
         grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
         try:

@@ -78,5 +78,5 @@ echo "frontend -> backend POST (mesh policy allows GET only): HTTP $code"
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$BASE_22/")
 echo "backend -> frontend (no mesh policy allows it): HTTP $code"
 [ "$code" = 403 ] || { echo "expected 403"; exit 1; }
-"$bin/attestmesh" quarantine list --ops-port $ops
+"$bin/attestmesh" quarantine list --ops-port $ops --state-dir "$work/state"
 echo "local mesh example: OK"

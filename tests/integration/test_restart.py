@@ -145,7 +145,7 @@ async def test_kill_restart_keeps_traffic_quarantine_and_ca(tmp_path: Path) -> N
 
         # 3. Quarantine backend by operator command; traffic to and from it stops.
         out = cli("quarantine", "add", "backend", "--reason", "suspected compromise",
-                  "--ops-port", str(s.ops_port))  # fmt: skip
+                  "--ops-port", str(s.ops_port), "--state-dir", str(s.state_dir))  # fmt: skip
         assert out.returncode == 0 and "backend: quarantined" in out.stdout, out
 
         async def fe_refused() -> bool:
@@ -178,7 +178,8 @@ async def test_kill_restart_keeps_traffic_quarantine_and_ca(tmp_path: Path) -> N
         # 4. Kill and restart: the quarantine survived and still cuts traffic.
         cp.kill()
         await cp.start()
-        listed = cli("quarantine", "list", "--json", "--ops-port", str(s.ops_port))
+        listed = cli("quarantine", "list", "--json", "--ops-port", str(s.ops_port),
+                     "--state-dir", str(s.state_dir))  # fmt: skip
         items = json.loads(listed.stdout)
         assert [
             (i["name"], i["quarantine"]["trigger"], i["quarantine"]["reason"]) for i in items
@@ -190,7 +191,8 @@ async def test_kill_restart_keeps_traffic_quarantine_and_ca(tmp_path: Path) -> N
         # 5. Certificates are refused while quarantined; release needs a fresh attestation.
         with pytest.raises(Exception, match="quarantined"):
             await agents["backend"].attest_once(session)
-        out = cli("quarantine", "release", "backend", "--ops-port", str(s.ops_port))
+        out = cli("quarantine", "release", "backend", "--ops-port", str(s.ops_port),
+                  "--state-dir", str(s.state_dir))  # fmt: skip
         assert out.returncode == 0 and "pending" in out.stdout, out
         assert (await call(session, fe_to_be))[0] != 200  # released is not yet attested
         agents["backend"].current = None  # after release the agent attests afresh
