@@ -495,7 +495,6 @@ async def run_control_plane(
 ) -> None:
     """Run until ``stop`` is set: attestation API (HTTPS), ADS (gRPC), ops (HTTP, loopback),
     and whatever ``hooks.run`` adds (Kubernetes mode)."""
-    ops_token = ensure_ops_token(settings.state_dir)  # made or refused before any state opens
     metrics = metrics or Metrics()
     install_validator_cache()  # see xds/pb.py: one pydantic validator per class
     warm()
@@ -509,7 +508,8 @@ async def run_control_plane(
         contexts = [tls] if xds_tls is None else [tls, xds_tls]
         _load_server_cert(contexts, cp.ca, settings, datetime.now(UTC))
         api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
-        ops_runner = web.AppRunner(build_ops_app(cp, metrics, ops_token), access_log=None)
+        ops_app = build_ops_app(cp, metrics, ensure_ops_token(settings.state_dir))
+        ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
         grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
         try:
