@@ -6,14 +6,17 @@ xDS snapshots; Kubernetes actions), metrics follow. Time and randomness are inje
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Protocol
+
+from cryptography import x509
 
 from attestmesh.metrics import Metrics
 from certs.ca import (
@@ -35,6 +38,7 @@ from certs.issuance import (
 from certs.nonces import NonceBook
 from certs.policy import (
     DEFAULT_REATTESTATION,
+    Admitted,
     AttestationPolicy,
     Rejected,
     appraise_all,
@@ -53,16 +57,18 @@ from xds.state import (
     Registration,
     Status,
     Trigger,
+    WorkloadState,
     ensure_may_issue,
     overdue,
     prune_revocations,
     quarantine,
     record_attestation,
-    register,
+    register_all,
     release,
     unregister,
+    withdraw,
 )
-from xds.store import StateStore
+from xds.store import Batch, StateStore
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
@@ -73,14 +79,26 @@ COLLATERAL_OUTAGE = frozenset({"collateral_unreachable", "collateral_http_status
 # A failed CA rotation step (disk full, unreadable root key) is retried this much later; the
 # signing intermediate has months left when rotation starts.
 CA_ROTATION_RETRY = timedelta(minutes=1)
+PRUNE_EVERY = timedelta(minutes=1)
+# Appraisal reason codes (certs.policy's vocabulary) that, on authentic evidence, indict the
+# platform (firmware / TCB per vendor collateral), not only the workload: its node is marked.
+PLATFORM_APPRAISAL_REASONS = frozenset({"tcb_status_not_accepted", "tcb_below_minimum"})
+TCB_REASONS = frozenset({"tcb_status_not_accepted"})
 
 
 class Publisher(Protocol):
     """Announces a persisted state: xDS snapshots, Kubernetes actions."""
 
     def publish(
-        self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial
-    ) -> None: ...
+        self,
+        state: MeshState,
+        mesh_policies: Sequence[MeshPolicy],
+        trust: TrustMaterial,
+        changed: Iterable[str] | None = None,
+    ) -> None:
+        """``changed``: the workloads that differ from the state last published (None:
+        unknown, compare)."""
+        ...
 
     def on_events(self, state: MeshState, events: Sequence[Event]) -> None: ...
 
@@ -116,6 +134,21 @@ class Issued:
     reattest_by: datetime
     spiffe_id: str
     claims: Claims
+    workload: str = ""
+    # the workload's record before this issuance (to take it back if the response is lost)
+    before: WorkloadState | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Announcement:
+    state: MeshState
+    trust: TrustMaterial
+    changed: frozenset[str]
+    events: tuple[Event, ...]
+
+
+class StoreUnavailableError(AttestmeshError):
+    """A write to the state store failed: the control plane stops deciding until restarted."""
 
 
 Clock = Callable[[], datetime]
@@ -155,8 +188,16 @@ class ControlPlane:
         self._nonces = NonceBook(key=random_bytes(32))  # stateless nonces: nothing to exhaust
         self._crl_at: datetime | None = None
         self._ca_retry_at: datetime | None = None
+        self._limiter = AttestationLimiter()
+        self._store_failed: str | None = None
+        self._last_write: asyncio.Future[None] | None = None
+        self._pending: _Announcement | None = None
+        self._pruned_at: datetime | None = None
+        self._quarantined = sum(w.status is Status.QUARANTINED for w in state.workloads.values())
         self._trust = self._build_trust(clock())
         self._update_gauges()
+        self._announced = state
+        self._publisher.publish(state, self._mesh_policies, self._trust)  # the loaded state
 
     # -- reads --------------------------------------------------------------------------------
     @property
@@ -189,18 +230,85 @@ class ControlPlane:
         }
 
     # -- transitions --------------------------------------------------------------------------
-    def _apply(self, new: MeshState, events: Sequence[Event]) -> None:
-        now = self._clock()
-        new = prune_revocations(new, now)
-        self._store.save(self._state, new, events)  # durable before announced
-        old_revoked = self._state.revoked_serials()
+    def _apply(
+        self, new: MeshState, events: Sequence[Event], changed: Collection[str]
+    ) -> asyncio.Future[None] | None:
+        """Make ``new`` the state decisions see now; persist the rows of ``changed`` and the
+        events (one batch); announce once they are durable. Returns what to await for
+        durability (None: durable already). Announcements of batches made durable together
+        are coalesced into one publish."""
+        if self._store_failed is not None:
+            raise StoreUnavailableError(
+                "store_unavailable", f"the state store failed: {self._store_failed}"
+            )
+        old = self._state
+        upserts = {n: w for n in changed if (w := new.workloads.get(n)) is not None}
+        deletes = frozenset(n for n in changed if n not in new.workloads)
+        added = new.revocations[len(old.revocations) :]
+        batch = Batch(upserts, deletes, added, events=tuple(events))
+        for name in changed:
+            before, after = old.workloads.get(name), new.workloads.get(name)
+            self._quarantined += (after is not None and after.status is Status.QUARANTINED) - (
+                before is not None and before.status is Status.QUARANTINED
+            )
         self._state = new
-        if new.revoked_serials() != old_revoked:
-            self._trust = self._build_trust(now)
-        self._update_gauges()
-        self._publisher.publish(new, self._mesh_policies, self._trust)
-        if events:
-            self._publisher.on_events(new, events)
+        if added:
+            self._trust = self._build_trust(self._clock())
+        self._metrics.quarantined.set(self._quarantined)
+        announce = _Announcement(new, self._trust, frozenset(changed), tuple(events))
+        durable = self._store.write(batch)
+        if durable is None:
+            self._announce(announce)
+            return None
+        self._last_write = durable
+        durable.add_done_callback(lambda f: self._committed(f, announce))
+        return durable
+
+    def _committed(self, durable: asyncio.Future[None], announce: _Announcement) -> None:
+        if durable.cancelled() or durable.exception() is not None:
+            exc = durable.exception() if not durable.cancelled() else "cancelled"
+            # Fail-stop: the decided state is ahead of the durable one. Serve nothing more that
+            # depends on it; the health check fails and a restart loads what is durable.
+            self._store_failed = str(exc)
+            log.critical("state store write failed; refusing further transitions: %s", exc)
+            return
+        pending = self._pending
+        if pending is None:
+            self._pending = announce
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._pending = _Announcement(
+                announce.state,
+                announce.trust,
+                pending.changed | announce.changed,
+                pending.events + announce.events,
+            )
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._announce(pending)
+
+    def _announce(self, a: _Announcement) -> None:
+        self._announced = a.state
+        self._publisher.publish(a.state, self._mesh_policies, a.trust, a.changed)
+        if a.events:
+            self._publisher.on_events(a.state, a.events)
+
+    async def flushed(self) -> None:
+        """Wait until every transition decided so far is durable (and so announced)."""
+        last = self._last_write
+        if last is not None:
+            await asyncio.shield(last)
+
+    @property
+    def healthy(self) -> bool:
+        return self._store_failed is None
+
+    def _republish(self) -> None:
+        """The trust material or mesh policies changed (not the workloads): announce now;
+        nothing to persist (both are rebuilt from durable inputs on start)."""
+        self._publisher.publish(self._announced, self._mesh_policies, self._trust, ())
 
     def _build_trust(self, now: datetime) -> TrustMaterial:
         revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
@@ -208,18 +316,15 @@ class ControlPlane:
         return TrustMaterial(self._ca.bundle_pem, self._ca.crl_pem(revoked, now, CRL_VALIDITY))
 
     def _update_gauges(self) -> None:
-        count = sum(w.status is Status.QUARANTINED for w in self._state.workloads.values())
-        self._metrics.quarantined.set(count)
+        self._metrics.quarantined.set(self._quarantined)
         expiry = self._ca.intermediate.cert.not_valid_after_utc
         self._metrics.ca_intermediate_expiry.set(expiry.timestamp())
 
-    def register(self, regs: Sequence[Registration]) -> None:
-        now = self._clock()
-        state, events = self._state, []
-        for reg in regs:
-            state, ev = register(state, reg, now)
-            events += ev
-        self._apply(state, events)
+    def register(self, regs: Sequence[Registration]) -> asyncio.Future[None] | None:
+        state, events, changed = register_all(self._state, regs, self._clock())
+        if not changed:
+            return None
+        return self._apply(state, events, changed)
 
     def challenge(self) -> tuple[bytes, datetime]:
         """A fresh authenticated nonce and its expiry; issuing keeps no state."""
@@ -233,47 +338,36 @@ class ControlPlane:
         return self._state.get(workload).status  # fresh: the check awaited
 
     async def attest(self, req: AttestRequest, token: str | None) -> Issued:
-        """Verify, appraise and issue. A failed re-attestation of an attested workload
-        quarantines it; request errors (identity, nonce, CSR) never do."""
+        """Verify, appraise and issue; answer once the decision is durable.
+
+        Verification, appraisal and signing run on a worker thread, never on the event loop.
+        Only authentic evidence (it verifies to the vendor root and binds this request's nonce
+        and key) that policy rejects quarantines an attested workload; evidence that does not
+        verify is a refused request (counted, logged, an event) and changes nothing. Request
+        errors (identity, nonce, CSR) never quarantine."""
         started = time.perf_counter()
         now = self._clock()
         w = self._state.get(req.workload)
         await self._identity.check(w.registration, token)
         self._nonces.consume(req.nonce, now)
         ensure_may_issue(self._state, req.workload)
-        try:
-            collateral = await self._collateral_for(req, now)
-            verified = verify_request(
-                req if collateral is None else replace(req, collateral=collateral),
-                self._verifiers,
-                now,
-            )
-            governing = policies_for(
-                self._policies,
-                w.registration.namespace,
-                w.registration.service_account,
-                w.registration.labels,
-            )
-            admitted = decide(verified, governing, now)
-        except EvidenceRejected as exc:
-            self._metrics.attestations.labels(exc.tee, "rejected", exc.reason).inc()
-            if self._state.get(req.workload).status is Status.ATTESTED:  # fresh: awaits above
-                self.quarantine(req.workload, _trigger_for(exc), "; ".join(exc.reasons))
-            raise
-        ttl = admitted.certificate_ttl
+        self._limiter.take(req.workload, now)
+        reg = w.registration
+        governing = policies_for(self._policies, reg.namespace, reg.service_account, reg.labels)
         interval = min((p.reattestation_interval for p in governing), default=DEFAULT_REATTESTATION)
         serial = self._serials()
-        spiffe = w.registration.spiffe_id(self._state.trust_domain)
+        spiffe = reg.spiffe_id(self._state.trust_domain)
         ca = self._ca
-        leaf = build_leaf(
-            verified.csr,
-            spiffe_id=spiffe,
-            claims_extension=encode_claims_extension(admitted.claims, admitted.policy, now),
-            issuer=ca.intermediate,
-            serial=serial,
-            now=now,
-            ttl=ttl,
-        )
+        try:
+            collateral = await self._collateral_for(req, now)
+            full = req if collateral is None else replace(req, collateral=collateral)
+            signed = await asyncio.to_thread(
+                _verify_and_sign, full, self._verifiers, governing, ca, spiffe, serial, now
+            )
+        except EvidenceRejected as exc:
+            self._refused(req.workload, exc, now)
+            raise
+        admitted, leaf, chain_pem = signed
         not_after = leaf.not_valid_after_utc
         due = min(now + interval, not_after)
         record = AttestationRecord(
@@ -284,18 +378,21 @@ class ControlPlane:
             at=now,
             claims=admitted.claims,
         )
+        before = self._state.get(req.workload)  # fresh: the awaits above
         state, events = record_attestation(
             self._state, req.workload, record, IssuedCert(serial, not_after), due, now
         )
-        for finding in audit_findings(verified.claims, governing, now):
+        for finding in audit_findings(admitted.claims, governing, now):
             self._metrics.audit_findings.labels(finding.reason).inc()
             events.append(Event(EventKind.AUDIT, req.workload, now, "; ".join(finding.reasons)))
-        self._apply(state, events)
+        durable = self._apply(state, events, (req.workload,))
+        if durable is not None:
+            await asyncio.shield(durable)  # nothing is acknowledged before it is durable
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
         return Issued(
-            chain_pem=ca.chain_pem(leaf),
+            chain_pem=chain_pem,
             bundle_pem=ca.bundle_pem,
             serial=serial,
             not_after=not_after,
@@ -303,7 +400,50 @@ class ControlPlane:
             reattest_by=due,
             spiffe_id=spiffe,
             claims=admitted.claims,
+            workload=req.workload,
+            before=before,
         )
+
+    def _refused(self, name: str, exc: EvidenceRejected, now: datetime) -> None:
+        """Count and record a rejection; quarantine only on authentic evidence policy rejects."""
+        self._metrics.attestations.labels(exc.tee, "rejected", exc.reason).inc()
+        current = self._state.workloads.get(name)  # fresh: the awaits above
+        if exc.appraisal:
+            if current is not None and current.status is Status.ATTESTED:
+                platform = exc.reason in PLATFORM_APPRAISAL_REASONS
+                trigger = (
+                    Trigger.TCB_REVOKED if exc.reason in TCB_REASONS else (Trigger.APPRAISAL_FAILED)
+                )
+                self._quarantine_all(
+                    [(name, trigger, "; ".join(exc.reasons), exc.reason, platform)]
+                )
+            return
+        log.warning("refused unverifiable evidence for %s: %s", name, "; ".join(exc.reasons))
+        if current is not None:
+            event = Event(
+                EventKind.REFUSED,
+                name,
+                now,
+                "; ".join(exc.reasons),
+                Trigger.VERIFICATION_FAILED,
+                exc.reason,
+            )
+            self._apply(self._state, [event], ())
+
+    def withdraw(self, issued: Issued) -> bool:
+        """The response carrying ``issued`` never reached the agent: revoke the certificate and
+        undo what its issuance recorded (a first attestation returns to pending)."""
+        now = self._clock()
+        if issued.before is None:
+            return False
+        state, _ = withdraw(self._state, issued.workload, issued.serial, issued.before, now)
+        if state is self._state:
+            return False
+        log.warning("withdrew certificate %x of %s: the response was lost", issued.serial,
+                    issued.workload)  # fmt: skip
+        self._metrics.certificates_withdrawn.inc()
+        self._apply(state, [], (issued.workload,))
+        return True
 
     async def _collateral_for(self, req: AttestRequest, now: datetime) -> dict[str, bytes] | None:
         try:
@@ -320,19 +460,28 @@ class ControlPlane:
                 raise
             raise EvidenceRejected(exc.reason, exc.detail, req.tee) from exc
 
-    def quarantine(self, name: str, trigger: Trigger, reason: str) -> bool:
-        return bool(self._quarantine_all([(name, trigger, reason)]))
+    def quarantine(
+        self, name: str, trigger: Trigger, reason: str, *, code: str = "", platform: bool = False
+    ) -> bool:
+        """``platform``: authentic evidence showed the platform failing (its node is marked);
+        an operator's quarantine never says so."""
+        return bool(
+            self._quarantine_all([(name, trigger, reason, code or trigger.value, platform)])
+        )
 
-    def _quarantine_all(self, decisions: Sequence[tuple[str, Trigger, str]]) -> list[str]:
-        """Quarantine several workloads in one transition: persisted and announced once."""
+    def _quarantine_all(
+        self, decisions: Sequence[tuple[str, Trigger, str, str, bool]]
+    ) -> list[str]:
+        """Quarantine several workloads in one transition: persisted and announced once.
+        Each decision: (name, trigger, detail, reason code, platform failed)."""
         now = self._clock()
         state, events = self._state, []
-        for name, trigger, reason in decisions:
-            state, ev = quarantine(state, name, trigger, reason, now)
+        for name, trigger, reason, code, platform in decisions:
+            state, ev = quarantine(state, name, trigger, reason, now, code=code, platform=platform)
             events += ev
         if not events:
             return []
-        self._apply(state, events)
+        self._apply(state, events, [e.workload for e in events])
         for e in events:
             assert e.trigger is not None
             self._metrics.quarantine_events.labels(e.trigger.value).inc()
@@ -343,13 +492,14 @@ class ControlPlane:
         """The workload is gone (its pod was deleted): its endpoint leaves every cluster."""
         state, events = unregister(self._state, name, self._clock())
         if events:
-            self._apply(state, events)
+            self._apply(state, events, (name,))
+            self._limiter.forget(name)
         return bool(events)
 
     def release(self, name: str) -> bool:
         state, events = release(self._state, name, self._clock())
         if events:
-            self._apply(state, events)
+            self._apply(state, events, (name,))
         return bool(events)
 
     def check_deadlines(self) -> list[str]:
@@ -358,21 +508,45 @@ class ControlPlane:
         now = self._clock()
         late = overdue(self._state, now)
         self._quarantine_all(
-            [(name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed") for name in late]
-        )
-        self._rotate_ca(now)
-        if self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2:
+            [
+                (name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed",
+                 Trigger.DEADLINE_MISSED.value, False)
+                for name in late
+            ]
+        )  # fmt: skip
+        stale = self._rotate_ca(now)
+        stale |= self._prune_revocations(now)
+        stale |= self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2
+        if stale:  # one new CRL set, announced once
             self._trust = self._build_trust(now)
-            self._publisher.publish(self._state, self._mesh_policies, self._trust)
+            self._update_gauges()
+            self._republish()
         return late
 
-    def _rotate_ca(self, now: datetime) -> None:
+    def _prune_revocations(self, now: datetime) -> bool:
+        """Drop CRL entries of certificates that expired anyway (at most once a minute); True
+        if the CRL must be rebuilt."""
+        if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY:
+            return False
+        self._pruned_at = now
+        pruned = prune_revocations(self._state, now)
+        if pruned is self._state:
+            return False
+        kept = {r.serial for r in pruned.revocations}
+        dropped = frozenset(r.serial for r in self._state.revocations if r.serial not in kept)
+        durable = self._store.write(Batch(unrevoked=dropped))
+        if durable is not None:
+            self._last_write = durable
+        self._state = pruned
+        return True
+
+    def _rotate_ca(self, now: datetime) -> bool:
         """The dumb ticker over the CA's rotation predicates. Each step is persisted before it
         is kept; after any step the CRL set changes (a CRL per live intermediate), so the trust
         material is rebuilt and published. Leaves issued from here on chain to the new signer;
         the trust bundle (the root) never changes."""
         if self._ca_retry_at is not None and now < self._ca_retry_at:
-            return
+            return False
         before = self._ca
         try:
             for _ in range(3):  # at most prepare, activate, retire
@@ -390,10 +564,7 @@ class ControlPlane:
         except (OSError, AttestmeshError) as exc:
             self._ca_retry_at = now + CA_ROTATION_RETRY
             log.error("CA rotation failed, retrying at %s: %s", self._ca_retry_at, exc)
-        if self._ca is not before:
-            self._trust = self._build_trust(now)
-            self._update_gauges()
-            self._publisher.publish(self._state, self._mesh_policies, self._trust)
+        return self._ca is not before
 
     def set_policies(self, docs: Sequence[object]) -> tuple[AttestationPolicy, ...]:
         """Replace the attestation policies; invalid documents leave the previous ones in force.
@@ -406,7 +577,7 @@ class ControlPlane:
         self._policies = policies
         self._metrics.policy_reloads.labels("ok").inc()
         now = self._clock()
-        no_longer_admitted = []
+        no_longer_admitted: list[tuple[str, Trigger, str, str, bool]] = []
         for name, w in sorted(self._state.workloads.items()):
             if w.status is not Status.ATTESTED or w.attestation is None:
                 continue
@@ -417,14 +588,15 @@ class ControlPlane:
             decision = appraise_all(w.attestation.claims, governing, now)
             if isinstance(decision, Rejected):
                 no_longer_admitted.append(
-                    (name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons))
-                )
+                    (name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons), decision.reason,
+                     False)
+                )  # fmt: skip
         self._quarantine_all(no_longer_admitted)
         return policies
 
     def set_mesh_policies(self, policies: Sequence[MeshPolicy]) -> None:
         self._mesh_policies = tuple(policies)
-        self._publisher.publish(self._state, self._mesh_policies, self._trust)
+        self._republish()
 
     def events(self, workload: str | None = None) -> list[Event]:
         return self._store.events(workload)
@@ -434,7 +606,61 @@ def _serial_of(issuer: Issuer | None) -> str:
     return "-" if issuer is None else format(issuer.cert.serial_number, "x")
 
 
-def _trigger_for(exc: EvidenceRejected) -> Trigger:
-    if exc.reason == "revoked":
-        return Trigger.TCB_REVOKED
-    return Trigger.APPRAISAL_FAILED if exc.appraisal else Trigger.VERIFICATION_FAILED
+def _verify_and_sign(
+    req: AttestRequest,
+    verifiers: Mapping[Tee, Verifier],
+    governing: Sequence[AttestationPolicy],
+    ca: CertificateAuthority,
+    spiffe_id: str,
+    serial: int,
+    now: datetime,
+) -> tuple[Admitted, x509.Certificate, bytes]:
+    """The CPU-bound part of an attestation (runs on a worker thread): verify -> bind ->
+    appraise, and only an ``Admitted`` value reaches the CA."""
+    verified = verify_request(req, verifiers, now)
+    admitted = decide(verified, governing, now)
+    leaf = build_leaf(
+        verified.csr,
+        spiffe_id=spiffe_id,
+        claims_extension=encode_claims_extension(admitted.claims, admitted.policy, now),
+        issuer=ca.intermediate,
+        serial=serial,
+        now=now,
+        ttl=admitted.certificate_ttl,
+    )
+    return admitted, leaf, ca.chain_pem(leaf)
+
+
+class AttestationLimiter:
+    """A token bucket per workload: at most ``burst`` attestations at once and one more per
+    ``refill``. An agent renews at half its certificate's life and may retry a few times; a
+    client looping on a valid token cannot make the control plane sign (and revoke, and
+    publish CRLs) without bound. Bounded in memory: full buckets are forgotten."""
+
+    def __init__(
+        self, burst: int = 8, refill: timedelta = timedelta(seconds=60), limit: int = 100_000
+    ) -> None:
+        self._burst = burst
+        self._limit = limit
+        self._refill = refill
+        self._buckets: dict[str, tuple[float, datetime]] = {}
+
+    def take(self, name: str, now: datetime) -> None:
+        tokens = self._tokens(name, now)
+        if tokens < 1:
+            wait = int((1 - tokens) * self._refill.total_seconds()) + 1
+            raise AttestmeshError(
+                "too_many_attestations", f"{name} attests too often; retry in {wait} s"
+            )
+        if len(self._buckets) >= self._limit:  # forget buckets that are full again
+            self._buckets = {
+                n: b for n, b in self._buckets.items() if self._tokens(n, now) < self._burst
+            }
+        self._buckets[name] = (tokens - 1, now)
+
+    def _tokens(self, name: str, now: datetime) -> float:
+        tokens, at = self._buckets.get(name, (float(self._burst), now))
+        return min(float(self._burst), tokens + (now - at) / self._refill)
+
+    def forget(self, name: str) -> None:
+        self._buckets.pop(name, None)

@@ -84,7 +84,6 @@ from xds.kube import (
     WatchSpec,
     WorkloadRef,
     check_pod_binding,
-    platform_failed,
 )
 from xds.meshpolicy import MeshPolicy
 from xds.publisher import XdsPublisher
@@ -223,13 +222,15 @@ def build_work(
                     e.reason,
                     trigger,
                     evict=evict,
-                    platform_failed=platform_failed(trigger, e.reason),
+                    platform_failed=e.platform,
                 )
             )
         elif e.kind is EventKind.RELEASED:
             out.append(Work(WorkKind.RELEASE, e.workload))
         elif e.kind is EventKind.AUDIT:
             out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.APPRAISAL_FAILED))
+        elif e.kind is EventKind.REFUSED:
+            out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.VERIFICATION_FAILED))
     return out
 
 

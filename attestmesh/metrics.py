@@ -32,6 +32,11 @@ class Metrics:
         self.certificates_issued = Counter(
             "attestmesh_certificates_issued_total", "Leaf certificates issued", registry=r
         )
+        self.certificates_withdrawn = Counter(
+            "attestmesh_certificates_withdrawn_total",
+            "Certificates revoked because the response carrying them never reached the agent",
+            registry=r,
+        )
         self.xds_streams = Gauge("attestmesh_xds_streams", "Connected xDS streams", registry=r)
         self.xds_push_ack_seconds = Histogram(
             "attestmesh_xds_push_ack_seconds",

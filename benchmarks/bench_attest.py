@@ -10,7 +10,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -37,7 +37,13 @@ GOOD = bytes.fromhex("a1" * 48)
 
 
 class NullPublisher:
-    def publish(self, state: MeshState, mp: Sequence[MeshPolicy], trust: TrustMaterial) -> None:
+    def publish(
+        self,
+        state: MeshState,
+        mp: Sequence[MeshPolicy],
+        trust: TrustMaterial,
+        changed: Iterable[str] | None = None,
+    ) -> None:
         pass
 
     def on_events(self, state: MeshState, events: Sequence[Event]) -> None:

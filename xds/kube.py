@@ -61,10 +61,6 @@ DEFAULT_INBOUND_PORT = 15006
 # projected service-account token): the pod's name and uid.
 EXTRA_POD_NAME = "authentication.kubernetes.io/pod-name"
 EXTRA_POD_UID = "authentication.kubernetes.io/pod-uid"
-# Reason codes (certs.errors vocabulary) meaning the platform itself cannot be trusted.
-PLATFORM_REASONS = frozenset(
-    {"chain_invalid", "untrusted_root", "revoked", "tcb_revoked", "tcb_status_not_accepted"}
-)
 
 
 class KubeError(AttestmeshError):
@@ -403,11 +399,6 @@ def parse_attestation_policy(docs: list[Any]) -> Sequence[AttestationPolicy]:
 
 def parse_mesh_policy(docs: list[Any]) -> Sequence[MeshPolicy]:
     return parse_mesh_policies(docs)
-
-
-def platform_failed(trigger: Trigger, reason: str) -> bool:
-    """Does this quarantine indict the node's platform (taint it), not only the workload?"""
-    return trigger is Trigger.TCB_REVOKED or reason.split(":", 1)[0] in PLATFORM_REASONS
 
 
 def _condition_reason(trigger: Trigger) -> str:
@@ -1561,7 +1552,7 @@ class KubeActions:
                 q.reason,
                 q.trigger,
                 evict=evict_for(name),
-                platform_failed=platform_failed(q.trigger, q.reason),
+                platform_failed=q.platform,
             )
         return out
 
@@ -1597,7 +1588,6 @@ __all__ = [
     "parse_outbound",
     "parse_service",
     "parse_token_review",
-    "platform_failed",
     "pod_ports",
     "reconcile",
     "registration_from_pod",

@@ -7,7 +7,7 @@ control plane persists the new state before it announces anything (xDS push, Kub
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -92,9 +92,16 @@ class IssuedCert:
 
 @dataclass(frozen=True, slots=True)
 class QuarantineRecord:
+    """Why a workload is quarantined. ``code`` is the typed reason (a bounded vocabulary, e.g.
+    ``measurement_not_allowed``), ``reason`` the human detail; ``platform`` is set only when
+    authentic evidence showed the platform itself failing (e.g. TCB revoked or out of date per
+    vendor collateral): only then may its node be marked untrusted. Nothing parses ``reason``."""
+
     trigger: Trigger
     reason: str
     at: datetime
+    code: str = ""
+    platform: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,7 @@ class EventKind(enum.StrEnum):
     RELEASED = "released"
     UNREGISTERED = "unregistered"
     AUDIT = "audit"  # an audit-mode policy would have rejected; nothing was done
+    REFUSED = "refused"  # a request with unverifiable evidence was refused; nothing changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +139,8 @@ class Event:
     at: datetime
     reason: str = ""
     trigger: Trigger | None = None
+    code: str = ""  # typed reason code (QUARANTINED, REFUSED)
+    platform: bool = False  # QUARANTINED on authentic evidence of a failing platform
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +166,29 @@ def _with(state: MeshState, w: WorkloadState) -> MeshState:
     return replace(state, workloads={**state.workloads, w.registration.name: w})
 
 
+def register_all(
+    state: MeshState, regs: Sequence[Registration], now: datetime
+) -> tuple[MeshState, list[Event], list[str]]:
+    """Add or update many registrations in one step (one copy of the mesh, not one per
+    registration); returns the new state, its events and the names that changed."""
+    workloads = dict(state.workloads)
+    events: list[Event] = []
+    changed: list[str] = []
+    for reg in regs:
+        current = workloads.get(reg.name)
+        if current is None:
+            workloads[reg.name] = WorkloadState(reg)
+            events.append(Event(EventKind.REGISTERED, reg.name, now))
+        elif current.registration != reg:
+            workloads[reg.name] = replace(current, registration=reg)
+        else:
+            continue
+        changed.append(reg.name)
+    if not changed:
+        return state, [], []
+    return replace(state, workloads=workloads), events, changed
+
+
 def register(state: MeshState, reg: Registration, now: datetime) -> tuple[MeshState, list[Event]]:
     """Add or update a registration; status, certificates and quarantine are kept."""
     current = state.workloads.get(reg.name)
@@ -175,6 +208,12 @@ def ensure_may_issue(state: MeshState, name: str) -> WorkloadState:
     return w
 
 
+MAX_LIVE_CERTIFICATES = 4
+"""Live certificates kept per workload (an agent holds one, and one more while it renews).
+Older ones are superseded and revoked, so a workload's record does not grow with how often it
+attests, and a quarantine still revokes every certificate its workload could present."""
+
+
 def record_attestation(
     state: MeshState,
     name: str,
@@ -186,19 +225,49 @@ def record_attestation(
     """A fresh successful attestation issued ``cert``; re-attestation is due at ``due``."""
     w = ensure_may_issue(state, name)
     live = (*(c for c in w.certificates if c.not_after > now), cert)
+    superseded = live[:-MAX_LIVE_CERTIFICATES]
     new = replace(
         w,
         status=Status.ATTESTED,
         attestation=record,
         next_attestation_due=due,
-        certificates=live,
+        certificates=live[-MAX_LIVE_CERTIFICATES:],
         quarantine=None,
     )
-    return _with(state, new), [Event(EventKind.ATTESTED, name, now, record.policy)]
+    state = _with(state, new)
+    if superseded:
+        revoked = tuple(Revocation(c.serial, c.not_after, now, name) for c in superseded)
+        state = replace(state, revocations=state.revocations + revoked)
+    return state, [Event(EventKind.ATTESTED, name, now, record.policy)]
+
+
+def withdraw(
+    state: MeshState, name: str, serial: int, before: WorkloadState, now: datetime
+) -> tuple[MeshState, list[Event]]:
+    """The certificate ``serial`` never reached its workload (the response was lost): revoke it
+    and, if nothing happened to the workload since, return to its record ``before`` that
+    issuance (a first attestation goes back to pending), so no attested state holds a key
+    nobody has. The agent retries with fresh evidence."""
+    w = state.workloads.get(name)
+    if w is None or not w.certificates or w.certificates[-1].serial != serial:
+        return state, []  # quarantined, re-attested or gone since: nothing to take back
+    cert = w.certificates[-1]
+    state = replace(
+        _with(state, before),
+        revocations=(*state.revocations, Revocation(serial, cert.not_after, now, name)),
+    )
+    return state, []
 
 
 def quarantine(
-    state: MeshState, name: str, trigger: Trigger, reason: str, now: datetime
+    state: MeshState,
+    name: str,
+    trigger: Trigger,
+    reason: str,
+    now: datetime,
+    *,
+    code: str = "",
+    platform: bool = False,
 ) -> tuple[MeshState, list[Event]]:
     """Quarantine: every live certificate is revoked, status blocks further issuance.
 
@@ -215,10 +284,10 @@ def quarantine(
         status=Status.QUARANTINED,
         certificates=(),
         next_attestation_due=None,
-        quarantine=QuarantineRecord(trigger, reason, now),
+        quarantine=QuarantineRecord(trigger, reason, now, code, platform),
     )
     state = replace(_with(state, new), revocations=state.revocations + revoked)
-    return state, [Event(EventKind.QUARANTINED, name, now, reason, trigger)]
+    return state, [Event(EventKind.QUARANTINED, name, now, reason, trigger, code, platform)]
 
 
 def release(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list[Event]]:

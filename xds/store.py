@@ -355,6 +355,14 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
         "index the event log by workload (the API's per-workload history)",
         ("CREATE INDEX IF NOT EXISTS events_by_workload ON events(workload, id)",),
     ),
+    Migration(
+        3,
+        "typed reasons on events: the reason code and whether the platform failed",
+        (
+            "ALTER TABLE events ADD COLUMN code TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE events ADD COLUMN platform INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version
 
@@ -461,23 +469,25 @@ def _load(db: sqlite3.Connection, trust_domain: str) -> MeshState:
 def _events(db: sqlite3.Connection, workload: str | None, limit: int) -> list[Event]:
     if workload is None:
         cursor = db.execute(
-            "SELECT at, kind, workload, trigger, reason FROM events ORDER BY id DESC LIMIT ?",
+            "SELECT at, kind, workload, trigger, reason, code, platform FROM events "
+            "ORDER BY id DESC LIMIT ?",
             (limit,),
         )
     else:
         cursor = db.execute(
-            "SELECT at, kind, workload, trigger, reason FROM events WHERE workload = ? "
+            "SELECT at, kind, workload, trigger, reason, code, platform FROM events "
+            "WHERE workload = ? "
             "ORDER BY id DESC LIMIT ?",
             (workload, limit),
         )
     rows = cursor.fetchall()
     return [
-        Event(_KIND[k], w, _from_iso(at), reason, _TRIGGER[t] if t else None)
-        for at, k, w, t, reason in reversed(rows)
+        Event(_KIND[k], w, _from_iso(at), reason, _TRIGGER[t] if t else None, code, bool(p))
+        for at, k, w, t, reason, code, p in reversed(rows)
     ]
 
 
-_EventRow = tuple[str, str, str, str | None, str]
+_EventRow = tuple[str, str, str, str | None, str, str, int]
 _RevocationRow = tuple[str, str, str, str]
 
 
@@ -526,6 +536,8 @@ class _Rows:
                 e.workload,
                 e.trigger.value if e.trigger else None,
                 e.reason,
+                e.code,
+                int(e.platform),
             )
             for e in batch.events
         ]
@@ -634,7 +646,8 @@ class SqliteStore:
             cur.executemany("INSERT OR REPLACE INTO revocations VALUES(?, ?, ?, ?)", revoked)
             cur.executemany("DELETE FROM revocations WHERE serial = ?", unrevoked)
             cur.executemany(
-                "INSERT INTO events(at, kind, workload, trigger, reason) VALUES(?, ?, ?, ?, ?)",
+                "INSERT INTO events(at, kind, workload, trigger, reason, code, platform) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?)",
                 rows.events,
             )
             if rows.events:

@@ -9,7 +9,7 @@ import contextlib
 import hashlib
 import io
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -476,12 +476,19 @@ async def test_failed_re_attestation_quarantines(env: Env) -> None:
     assert env.plane.issued == 1.0
 
 
-async def test_failed_verification_quarantines_with_its_trigger(env: Env) -> None:
+async def test_unverifiable_evidence_is_refused_and_quarantines_nothing(env: Env) -> None:
+    """Only authentic evidence may accuse: a forged report (not signed by a platform key) is a
+    refused request, counted and recorded, and the attested workload stays attested."""
     assert (await attest(env)).status == 200
     failed = await attest(env, path="/v1/renew", platform=new_key())
-    assert failed.body["error"] == "signature_invalid"
-    trigger = env.cp.state.get("web-1").quarantine.trigger
-    assert trigger is Trigger.VERIFICATION_FAILED
+    assert (failed.status, failed.body["error"]) == (403, "signature_invalid")
+    w = env.cp.state.get("web-1")
+    assert w.status is Status.ATTESTED and w.quarantine is None
+    refused = [e for e in env.cp.events("web-1") if e.kind is EventKind.REFUSED]
+    assert [(e.code, e.trigger) for e in refused] == [
+        ("signature_invalid", Trigger.VERIFICATION_FAILED)
+    ]
+    assert (await attest(env, path="/v1/renew")).status == 200
 
 
 class _RevokingVerifier:
@@ -501,13 +508,47 @@ class _RevokingVerifier:
         return self.inner.verify(evidence, now=now, collateral=collateral)
 
 
-async def test_revoked_tcb_quarantines_with_tcb_revoked(env: Env) -> None:
+async def test_a_revoked_chain_is_refused_not_a_quarantine(env: Env) -> None:
     verifier = _RevokingVerifier()
     env.cp._verifiers[Tee.SIM] = verifier
     assert (await attest(env)).status == 200
     verifier.revoked = True
     assert (await attest(env, path="/v1/renew")).body["error"] == "revoked"
-    assert env.cp.state.get("web-1").quarantine.trigger is Trigger.TCB_REVOKED
+    assert env.cp.state.get("web-1").status is Status.ATTESTED
+
+
+class _TcbVerifier:
+    """The sim verifier, reporting the TCB status vendor collateral gives the platform."""
+
+    def __init__(self) -> None:
+        self.inner = SimVerifier([PLATFORM.public_key()])
+        self.status = "UpToDate"
+
+    @property
+    def tee(self) -> Tee:
+        return Tee.SIM
+
+    def verify(self, evidence: bytes, *, now: Any, collateral: Any) -> Any:
+        claims = self.inner.verify(evidence, now=now, collateral=collateral)
+        return replace(claims, tcb_status=self.status)
+
+
+async def test_authentic_evidence_of_a_revoked_tcb_quarantines_and_indicts_the_platform(
+    env: Env,
+) -> None:
+    verifier = _TcbVerifier()
+    env.cp._verifiers[Tee.SIM] = verifier
+    assert (await attest(env)).status == 200
+    verifier.status = "Revoked"
+    reply = await attest(env, path="/v1/renew")
+    assert (reply.status, reply.body["error"]) == (403, "tcb_status_not_accepted")
+    q = env.cp.state.get("web-1").quarantine
+    assert q is not None
+    assert (q.trigger, q.code, q.platform) == (
+        Trigger.TCB_REVOKED,
+        "tcb_status_not_accepted",
+        True,
+    )
 
 
 class _CollateralService:
@@ -553,7 +594,11 @@ async def test_collateral_the_evidence_cannot_have_counts_against_the_workload(
         service.failure = CollateralError("collateral_missing", "report has no signing key")
         reply = await attest(env, path="/v1/renew")
         assert (reply.status, reply.body["error"]) == (403, "collateral_missing")
-        assert env.cp.status_of("web-1") is Status.QUARANTINED
+        # refused (the evidence could not be verified), but it accuses nobody
+        assert env.cp.status_of("web-1") is Status.ATTESTED
+        assert [e.code for e in env.cp.events("web-1") if e.kind is EventKind.REFUSED] == [
+            "collateral_missing"
+        ]
 
 
 async def test_release_then_fresh_attestation(env: Env) -> None:

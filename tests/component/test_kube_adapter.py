@@ -439,13 +439,16 @@ async def test_release_and_reapply_from_persisted_state(kube: FakeKube) -> None:
     state, _ = register(MeshState("example.org"), reg, T0)
     local = Registration("local-1", "default", "x", "x", Endpoint("127.0.0.1", 1), 2)
     state, _ = register(state, local, T0)
-    state, _ = quarantine(state, "shop/web-0", Trigger.VERIFICATION_FAILED, "chain_invalid: x", T0)
+    state, _ = quarantine(
+        state, "shop/web-0", Trigger.TCB_REVOKED, "tcb_status_not_accepted: Revoked", T0,
+        code="tcb_status_not_accepted", platform=True,
+    )  # fmt: skip
     state, _ = quarantine(state, "local-1", Trigger.OPERATOR, "manual", T0)
     actions = KubeActions(kc(kube), clock=lambda: T0)
     first = await actions.reapply(state)
     second = await actions.reapply(state)  # e.g. after a restart
     assert set(first) == {"shop/web-0"} and first == second
-    assert first["shop/web-0"].node_tainted == "n1"  # chain_invalid indicts the platform
+    assert first["shop/web-0"].node_tainted == "n1"  # authentic evidence indicts the platform
     node = kube.get("nodes", "", "n1")
     assert node is not None and len(node["spec"]["taints"]) == 1
     assert await actions.release("shop/web-0") is ActionResult.DONE

@@ -741,7 +741,10 @@ async def test_nodes_are_watched_and_untrusted_ones_counted(
             assert "attestmesh_kube_untrusted_nodes 1.0" in await resp.text()
 
         # a platform failure taints the pod's node; the watch sees it
-        assert cp.quarantine(WORKLOAD, Trigger.TCB_REVOKED, "tcb_revoked: SNP TCB revoked")
+        assert cp.quarantine(
+            WORKLOAD, Trigger.TCB_REVOKED, "tcb_status_not_accepted: SNP TCB revoked",
+            code="tcb_status_not_accepted", platform=True,
+        )  # fmt: skip
         await plane.mode.drained()
         await eventually(lambda: source.nodes["n1"].platform_untrusted)
         assert gauge.get() == 2
@@ -775,7 +778,13 @@ def test_build_work_is_pure_and_only_for_pods() -> None:
     )
     evs = [
         Event(
-            EventKind.QUARANTINED, "shop/web-0", T0, "chain_invalid: x", Trigger.VERIFICATION_FAILED
+            EventKind.QUARANTINED,
+            "shop/web-0",
+            T0,
+            "tcb_status_not_accepted: Revoked",
+            Trigger.TCB_REVOKED,
+            "tcb_status_not_accepted",
+            platform=True,
         ),
         Event(EventKind.QUARANTINED, "local-1", T0, "x", Trigger.OPERATOR),
         Event(EventKind.RELEASED, "shop/web-0", T0),
@@ -788,7 +797,11 @@ def test_build_work_is_pure_and_only_for_pods() -> None:
         (WorkKind.RELEASE, "shop/web-0"),
         (WorkKind.AUDIT, "shop/web-0"),
     ]
-    assert work[0].evict and work[0].platform_failed  # chain_invalid indicts the platform
+    assert work[0].evict and work[0].platform_failed  # typed: authentic platform evidence
+    # the reason text decides nothing: a platform-sounding text without the flag taints nothing
+    text_only = Event(EventKind.QUARANTINED, "shop/web-0", T0, "tcb_status_not_accepted: x",
+                      Trigger.APPRAISAL_FAILED)  # fmt: skip
+    assert not build_work(state, [text_only], [evicting])[0].platform_failed
     # an audit-mode policy never evicts; no governing policy: quarantine only
     assert not build_work(state, evs[:1], [auditing])[0].evict
     assert not build_work(state, evs[:1], [])[0].evict

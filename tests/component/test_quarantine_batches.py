@@ -22,7 +22,7 @@ from tests.unit.fixtures_core import (
     registration,
     spki,
 )
-from xds.state import Status, Trigger
+from xds.state import Status
 
 PLATFORM = ec.generate_private_key(ec.SECP256R1())
 
@@ -36,7 +36,9 @@ async def attest(cp: object, name: str, platform: ec.EllipticCurvePrivateKey) ->
     await cp.attest(AttestRequest(name, "sim", evidence, csr_pem(key), nonce), None)  # type: ignore[attr-defined]
 
 
-async def test_failed_verification_is_not_an_appraisal_failure(tmp_path: Path) -> None:
+async def test_failed_verification_accuses_nobody(tmp_path: Path) -> None:
+    """Evidence that does not verify (here: not signed by a platform key) is a refused request;
+    it cannot quarantine the workload it names (an attacker would choose the failure)."""
     plane = make_control_plane(tmp_path, clock=Clock(NOW), platform_key=PLATFORM,
                                registrations=[registration()])  # fmt: skip
     await attest(plane.cp, "web-1", PLATFORM)
@@ -45,8 +47,11 @@ async def test_failed_verification_is_not_an_appraisal_failure(tmp_path: Path) -
         await attest(plane.cp, "web-1", impostor)
     assert exc.value.reason == "signature_invalid" and not exc.value.appraisal
     w = plane.cp.state.get("web-1")
-    assert w.status is Status.QUARANTINED
-    assert w.quarantine.trigger is Trigger.VERIFICATION_FAILED
+    assert w.status is Status.ATTESTED and w.quarantine is None
+    assert plane.sample("attestmesh_quarantine_events_total", trigger="verification_failed") in (
+        None,
+        0.0,
+    )
 
 
 async def test_deadline_quarantines_are_one_transition(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ class RecordingPublisher:
         self.published: list[tuple[Any, tuple[Any, ...], Any]] = []
         self.events: list[Any] = []
 
-    def publish(self, state: Any, mesh_policies: Any, trust: Any) -> None:
+    def publish(self, state: Any, mesh_policies: Any, trust: Any, changed: Any = None) -> None:
         self.published.append((state, tuple(mesh_policies), trust))
 
     def on_events(self, state: Any, events: Any) -> None:

@@ -75,7 +75,7 @@ registration_st = st.builds(
         8080,
         {s: 20000 + i for i, s in enumerate(outs)},
         ready=ready,
-    ),  # fmt: skip
+    ),
     st.sampled_from(NAMES),
     st.sampled_from(NAMESPACES),
     st.sampled_from(ACCOUNTS),

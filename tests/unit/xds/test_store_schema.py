@@ -68,7 +68,7 @@ def event(i: int, workload: str = "a") -> Event:
 def test_a_fresh_database_is_created_at_the_latest_version(db: Path) -> None:
     store = SqliteStore(db)
     store.close()
-    assert store.version == SCHEMA_VERSION == 2
+    assert store.version == SCHEMA_VERSION == 3
     assert [v for v, _ in version_rows(db)] == [SCHEMA_VERSION]
     assert {("table", "workloads"), ("table", "revocations"), ("table", "events")} <= objects(db)
     assert ("index", "events_by_workload") in objects(db)
@@ -93,7 +93,7 @@ def test_a_version_1_database_without_the_version_table_is_migrated(db: Path) ->
         assert store.events() == [Event(EventKind.REGISTERED, "web-1", NOW)]
     finally:
         store.close()
-    assert [v for v, _ in version_rows(db)] == [2]
+    assert [v for v, _ in version_rows(db)] == [SCHEMA_VERSION]
     assert ("index", "events_by_workload") in objects(db)
 
 
@@ -136,7 +136,9 @@ def test_migrations_run_in_order_from_the_current_version(db: Path) -> None:
 def test_a_failing_migration_changes_nothing(db: Path) -> None:
     SqliteStore(db).close()
     before = objects(db)
-    broken = Migration(3, "broken", ("CREATE TABLE extra (x INTEGER)", "THIS IS NOT SQL"))
+    broken = Migration(
+        SCHEMA_VERSION + 1, "broken", ("CREATE TABLE extra (x INTEGER)", "THIS IS NOT SQL")
+    )
     with pytest.raises(StoreError) as failed:
         SqliteStore(db, migrations=(*SQLITE_MIGRATIONS, broken))
     assert failed.value.reason == "store_migration_failed"
