@@ -32,8 +32,11 @@ typecheck:
 pytest:
 	$(BIN)/pytest -q
 
+## Every benchmark; bench_scale drives a real control plane at N=1,000 and 10,000
+## (BENCH_SCALE_ARGS=--quick: a smoke run at N=200).
+BENCH_SCALE_ARGS ?= --n 1000,10000
 bench: install-test
-	$(BIN)/python -m benchmarks
+	BENCH_SCALE_ARGS="$(BENCH_SCALE_ARGS)" $(BIN)/python -m benchmarks
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
