@@ -376,6 +376,11 @@ async def test_http2_connection_without_a_stream_is_closed_but_a_stream_holds_it
                     await stream.send_message(b"ping")
                     assert await asyncio.wait_for(stream.recv_message(), 2) == b"ping"
                     await asyncio.sleep(FAST.idle_timeout)
+                # larger than the 64 KiB windows both ways: flow control and the client's
+                # own SETTINGS (applied through the server's lean settings) work
+                big = bytes(range(256)) * 1200
+                await stream.send_message(big)
+                assert await asyncio.wait_for(stream.recv_message(), 5) == big
                 await stream.cancel()
         finally:
             channel.close()
