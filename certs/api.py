@@ -50,8 +50,10 @@ class RequestError(AttestmeshError):
 
 
 def _http_status(exc: AttestmeshError) -> int:
-    if exc.reason == "nonce_capacity":
-        return 503  # too many attestations within one nonce lifetime: retry shortly
+    if exc.reason in ("nonce_capacity", "store_unavailable"):
+        return 503  # the control plane cannot take it now: retry shortly
+    if exc.reason == "too_many_attestations":
+        return 429  # this workload's attestation budget (after its identity was checked)
     if isinstance(exc, RequestError | CsrError | NonceError):
         return 400
     if isinstance(exc, IdentityError | UnknownWorkloadError):

@@ -410,6 +410,14 @@ async def test_a_full_replay_set_is_503_retry_later(
     assert (await attest(env, "tok-1", token=TOKEN)).status == 200
 
 
+async def test_a_workload_attesting_too_often_is_429(env: Env) -> None:
+    for _ in range(8):  # the control plane's burst per workload
+        assert (await attest(env)).status == 200
+    reply = await attest(env)
+    assert (reply.status, reply.body["error"]) == (429, "too_many_attestations")
+    assert env.plane.rejections("attest", "too_many_attestations") == 1.0
+
+
 async def test_deeply_nested_json_is_malformed_not_a_server_error(env: Env) -> None:
     depth = 200_000
     for path in ("/v1/attest", "/v1/renew"):
