@@ -209,9 +209,9 @@ async def test_token_review(kube: FakeKube) -> None:
     assert ok.status.user.username == "system:serviceaccount:shop:web"
     assert ok.status.audiences == ["attestmesh"]
     wrong_aud = await asyncio.to_thread(review, "tok-1", ["vault"])
-    assert wrong_aud.status.authenticated is False and "audiences" in wrong_aud.status.error
+    assert not wrong_aud.status.authenticated and "audiences" in wrong_aud.status.error
     unknown = await asyncio.to_thread(review, "nope", ["attestmesh"])
-    assert unknown.status.authenticated is False
+    assert not unknown.status.authenticated and unknown.status.error
 
 
 async def test_custom_resources_status_and_generation(kube: FakeKube) -> None:

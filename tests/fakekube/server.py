@@ -19,7 +19,9 @@ It implements, over real HTTP, the slice of the REST protocol attestmesh uses:
   authentication.k8s.io/v1 tokenreviews (tokens registered with ``add_token``; a token bound
   to a pod is answered as the real server answers a projected token: ``user.extra`` carries
   ``authentication.kubernetes.io/pod-name`` / ``pod-uid``, and the token is invalid once that
-  pod is gone or replaced by another of the same name), and the
+  pod is gone or replaced by another of the same name; a successful review is cached for
+  ``token_cache_ttl``, 10 s, as the real server's; answers checked against kube-apiserver
+  1.20.2's in ``tokenreview_1.20.2.json``), and the
   project's attestmesh.dev/v1alpha1 attestationpolicies and meshpolicies.
 
 Errors are ``Status`` objects with the real reasons (NotFound, AlreadyExists, Conflict, Invalid,
@@ -37,7 +39,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
@@ -279,8 +281,14 @@ class FakeKube:
         now: Callable[[], datetime] | None = None,
         bookmark_interval: float = 0.2,
         extra_resources: Iterable[ResourceType] = (),
+        token_cache_ttl: timedelta = timedelta(seconds=10),
     ) -> None:
         self.now = now or (lambda: datetime.now(UTC))
+        # kube-apiserver caches a successful token authentication (--token-success-cache-ttl,
+        # 10 s by default, by token and audiences; failures are not cached): for that long a
+        # deleted or replaced pod's token is still vouched for
+        self.token_cache_ttl = token_cache_ttl
+        self._token_cache: dict[tuple[str, tuple[str, ...]], tuple[datetime, dict[str, Any]]] = {}
         self.bookmark_interval = bookmark_interval
         self.types = {(r.group, r.version, r.plural): r for r in (*RESOURCES, *extra_resources)}
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -369,6 +377,10 @@ class FakeKube:
             namespace,
             bound,
         )
+
+    def expire_token_cache(self) -> None:
+        """As if ``token_cache_ttl`` had passed: every TokenReview is decided afresh."""
+        self._token_cache.clear()
 
     def block_eviction(self, namespace: str, name: str) -> None:
         self.blocked_evictions.add((namespace, name))
@@ -828,7 +840,12 @@ class FakeKube:
         if not isinstance(token, str) or not token:
             raise ApiError(422, "Invalid", "spec.token: Required value")
         wanted = spec.get("audiences") or ["https://kubernetes.default.svc.cluster.local"]
-        status: dict[str, Any] = {"authenticated": False, "user": {}}
+        key = (token, tuple(wanted))
+        cached = self._token_cache.get(key)
+        if cached is not None and cached[0] > self.now():
+            return self._review(spec, copy.deepcopy(cached[1]))
+        # the real server omits ``authenticated`` (false) and ``audiences`` from a refusal
+        status: dict[str, Any] = {"user": {}}
         known = self.tokens.get(token)
         if known is None:
             status["error"] = (
@@ -856,6 +873,12 @@ class FakeKube:
                         "authentication.kubernetes.io/pod-uid": [known.pod[1]],
                     }
                 status = {"authenticated": True, "user": user, "audiences": common}
+                if self.token_cache_ttl:
+                    self._token_cache[key] = (self.now() + self.token_cache_ttl, status)
+        return self._review(spec, copy.deepcopy(status))
+
+    @staticmethod
+    def _review(spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         return {
             "kind": "TokenReview",
             "apiVersion": "authentication.k8s.io/v1",
