@@ -386,12 +386,7 @@ class ControlPlane:
             self._metrics.audit_findings.labels(finding.reason).inc()
             events.append(Event(EventKind.AUDIT, req.workload, now, "; ".join(finding.reasons)))
         durable = self._apply(state, events, (req.workload,))
-        if durable is not None:
-            await asyncio.shield(durable)  # nothing is acknowledged before it is durable
-        self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
-        self._metrics.certificates_issued.inc()
-        self._metrics.issuance_seconds.observe(time.perf_counter() - started)
-        return Issued(
+        issued = Issued(
             chain_pem=chain_pem,
             bundle_pem=ca.bundle_pem,
             serial=serial,
@@ -403,6 +398,16 @@ class ControlPlane:
             workload=req.workload,
             before=before,
         )
+        if durable is not None:
+            try:
+                await asyncio.shield(durable)  # nothing is acknowledged before it is durable
+            except asyncio.CancelledError:  # the client went away: nobody will hold this key
+                self.withdraw(issued)
+                raise
+        self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
+        self._metrics.certificates_issued.inc()
+        self._metrics.issuance_seconds.observe(time.perf_counter() - started)
+        return issued
 
     def _refused(self, name: str, exc: EvidenceRejected, now: datetime) -> None:
         """Count and record a rejection; quarantine only on authentic evidence policy rejects."""

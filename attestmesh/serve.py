@@ -48,7 +48,7 @@ from xds.publisher import XdsPublisher
 from xds.registrations import parse_registrations
 from xds.server import AdsServer, warm
 from xds.state import Registration, Trigger
-from xds.store import SqliteStore
+from xds.store import GroupCommitStore, SqliteStore
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def build_control_plane(
     cache: SnapshotCache,
     collateral_sources: Mapping[Tee, CollateralSource] | None = None,
     hooks: Hooks | None = None,
-) -> tuple[ControlPlane, XdsPublisher, SqliteStore]:
+) -> tuple[ControlPlane, XdsPublisher, GroupCommitStore]:
     hooks = hooks or Hooks()
     # Everything that can be refused is read before any state is opened.
     policies = parse_policies(load_yaml_docs(settings.policy_file)) if settings.policy_file else ()
@@ -239,7 +239,9 @@ def build_control_plane(
     verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
     now = datetime.now(UTC)
     ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
-    store = SqliteStore(settings.state_dir / "state.sqlite3")
+    # Group commit: one writer thread, one fsync for every transition waiting for it; the loop
+    # never waits on the disk (a transition is announced, and answered, once durable).
+    store = GroupCommitStore(SqliteStore(settings.state_dir / "state.sqlite3"))
     state = store.load(settings.trust_domain)
     publisher = XdsPublisher(cache)
     cp = ControlPlane(
@@ -257,7 +259,7 @@ def build_control_plane(
         random_bytes=secrets.token_bytes,
         collateral_sources=collateral_sources,
     )
-    cp.register(registrations)  # persists what changed and announces the loaded state
+    cp.register(registrations)  # persists what changed (awaited before serving: cp.flushed)
     return cp, publisher, store
 
 
@@ -370,6 +372,8 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Applica
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(request: web.Request) -> web.Response:
+        if not cp.healthy:  # a failed store write: restart to load what is durable
+            return web.json_response({"status": "store_failed"}, status=503)
         return web.json_response({"status": "ok"})
 
     def workload_json(name: str) -> dict[str, Any]:
@@ -410,12 +414,14 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Applica
                 return _ops_refusal(400, "request_malformed", "body is not JSON")
         reason = str(body.get("reason", "operator command")) if isinstance(body, dict) else ""
         changed = cp.quarantine(name, Trigger.OPERATOR, reason or "operator command")
+        await cp.flushed()  # answered once durable
         return web.json_response({"changed": changed, **workload_json(name)})
 
     async def release(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         known(name)
         changed = cp.release(name)
+        await cp.flushed()
         return web.json_response({"changed": changed, **workload_json(name)})
 
     async def events(request: web.Request) -> web.Response:
@@ -503,6 +509,7 @@ async def run_control_plane(
         cp, publisher, store = build_control_plane(
             settings, metrics, cache, build_collateral_sources(settings, session), hooks
         )
+        await cp.flushed()  # the registrations file is durable before anything is served
         tls = _api_tls()
         xds_tls = None if settings.xds_plaintext else _xds_tls(cp.ca)
         contexts = [tls] if xds_tls is None else [tls, xds_tls]

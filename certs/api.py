@@ -44,6 +44,8 @@ class Issuing(Protocol):
 
     def trust_json(self) -> dict[str, str]: ...
 
+    def withdraw(self, issued: Any) -> bool: ...
+
 
 class RequestError(AttestmeshError):
     """The request itself is malformed."""
@@ -157,9 +159,18 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
         auth = request.headers.get("Authorization", "")
         return auth[7:] if auth.startswith("Bearer ") else None
 
+    def deliver(request: web.Request, issued: Any) -> web.Response:
+        """Answer with the certificate, unless the client is gone: then nobody holds its key,
+        and the control plane takes the issuance back (the agent retries)."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            cp.withdraw(issued)
+            raise web.HTTPServiceUnavailable(text="client went away")
+        return web.json_response(issued_json(issued))
+
     async def attest(request: web.Request) -> web.Response:
         req = parse_attest_body(await read_json(request))
-        return web.json_response(issued_json(await cp.attest(req, token_of(request))))
+        return deliver(request, await cp.attest(req, token_of(request)))
 
     async def renew(request: web.Request) -> web.Response:
         req = parse_attest_body(await read_json(request))
@@ -171,7 +182,7 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
             and await cp.authenticate(req.workload, token) is Status.PENDING
         ):
             raise AttestmeshError("not_attested", "renewal needs an attested workload; attest")
-        return web.json_response(issued_json(await cp.attest(req, token)))
+        return deliver(request, await cp.attest(req, token))
 
     async def trust(request: web.Request) -> web.Response:
         return web.json_response(cp.trust_json())
