@@ -569,7 +569,11 @@ class KubeMode:
                 self.submit(Work(WorkKind.REAPPLY))
 
     async def drained(self) -> None:
-        """Wait until every queued action was attempted (tests, shutdown)."""
+        """Wait until every transition decided so far was announced (the control plane
+        announces once durable) and every action queued was attempted (tests, shutdown)."""
+        if self._cp is not None:
+            await self._cp.flushed()
+            await asyncio.sleep(0)  # the announcement itself is a callback of durability
         await self._queue.join()
 
     # -- webhook ------------------------------------------------------------------------------
