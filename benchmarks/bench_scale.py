@@ -460,7 +460,7 @@ class MeshRun:
             f.notes.append(
                 f"streams: only {n_synced} of {len(streams)} configured ({n_closed} closed)"
             )
-            return n_synced > 0
+            return bool(n_synced > 0)
         f.set("stream_cpu_ms", CpuMeter.delta(cpu0, cpu1) / len(streams) * 1e3)
         f.set("stream_rss_kb", (rss1 - rss0) / len(streams) / 1024)
         return True
@@ -550,6 +550,10 @@ class MeshRun:
 
     async def issuance(self, f: Figures, session: aiohttp.ClientSession, crypto_s: float) -> None:
         items = [{"workload": w.name, "token": w.token} for w in self.mesh if w.name != VICTIM]
+        # Each level attests its own share of the mesh (10 / 45 / 45 %): a control plane may
+        # rate-limit how often one workload attests (a workload it limits leaves the rotation).
+        cut1, cut8 = len(items) // 10, len(items) * 55 // 100
+        shares = {1: items[:cut1], 8: items[cut1:cut8], 64: items[cut8:]}
         meter = self.cp.meter()
         ratios = []
         for c in (1, 8, 64):
@@ -570,7 +574,7 @@ class MeshRun:
                             {
                                 "cmd": "load",
                                 "kind": "attest",
-                                "items": items[i::procs],
+                                "items": shares[c][i::procs],
                                 "concurrency": parts[i],
                                 "duration": self.s.load_s,
                                 "start_at": start_at,
@@ -586,7 +590,13 @@ class MeshRun:
             errs = sum(o["n_errors"] for o in outs)
             if errs:
                 f.notes.append(f"issuance at {c}: {errs} errors, e.g. {outs[0]['errors'][:1]}")
+            limited = sum(o.get("rate_limited", 0) for o in outs)
             secs = max(o["seconds"] for o in outs)
+            if limited:
+                f.notes.append(
+                    f"issuance at {c}: {limited} answers 429 (rate-limited workloads left the "
+                    f"rotation); measured over {secs:.1f} s"
+                )
             f.set(f"rate_{c}", done / secs if done else 0.0)
             per = CpuMeter.delta(c0, c1) / done if done else math.inf
             f.set(f"cpu_per_attest_{c}_ms", per * 1e3)

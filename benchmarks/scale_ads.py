@@ -615,5 +615,5 @@ def run(handle_factory: Any) -> None:
 
 if __name__ == "__main__":
     # client side only: a small TLS read buffer per connection (asyncio's default is 256 KiB)
-    sslproto.SSLProtocol.max_size = 16 * 1024  # type: ignore[attr-defined]
+    sslproto.SSLProtocol.max_size = 16 * 1024
     run(Worker)

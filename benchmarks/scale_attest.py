@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import ssl
 import sys
@@ -28,6 +29,14 @@ from certs.evidence import sim
 from sidecar.agent import build_csr
 
 MEASUREMENT = bytes.fromhex("a1" * 48)
+
+
+class Refused(RuntimeError):
+    """The API answered with an error status."""
+
+    def __init__(self, what: str, status: int, body: Any) -> None:
+        super().__init__(f"{what} {status}: {body}")
+        self.status = status
 
 
 class AttestWorker:
@@ -80,7 +89,7 @@ class AttestWorker:
         async with session.post(self.url + "/v1/challenge", json={}, headers=headers) as r:
             challenge = await r.json(content_type=None)
             if r.status != 200:
-                raise RuntimeError(f"challenge {r.status}: {challenge}")
+                raise Refused("challenge", r.status, challenge)
         nonce = base64.b64decode(challenge["nonce"])
         report = sim.build_report(
             self.platform, report_data=expected_report_data(nonce, spki), measurement=MEASUREMENT
@@ -96,7 +105,7 @@ class AttestWorker:
         async with session.post(self.url + "/v1/attest", json=body, headers=headers) as r:
             data = await r.json(content_type=None)
             if r.status != 200:
-                raise RuntimeError(f"attest {r.status}: {data}")
+                raise Refused("attest", r.status, data)
         return data, key_pem
 
     async def attest_all(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -131,28 +140,41 @@ class AttestWorker:
         }
 
     async def load(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """``concurrency`` loops attesting round-robin over ``items`` until ``duration`` s."""
+        """``concurrency`` loops attesting round-robin over ``items`` until ``duration`` s.
+
+        A workload the server rate-limits (429: it attests too often) leaves the rotation;
+        the run ends early when none is left (``seconds`` is then the time until it ended)."""
         c = int(cmd["concurrency"])
         session = self._session(c)
-        items = itertools.cycle(cmd["items"])
+        pool: list[dict[str, Any]] = list(cmd["items"])
+        turn = 0
         start = float(cmd.get("start_at", time.monotonic()))  # CLOCK_MONOTONIC: system-wide
         await asyncio.sleep(max(0.0, start - time.monotonic()))
         end = start + float(cmd["duration"])
-        done = 0
+        done = limited = 0
         errors: list[str] = []
         cpu0 = time.process_time()
         kind = cmd.get("kind", "attest")
 
         async def loop_() -> None:
-            nonlocal done
-            while time.monotonic() < end:
-                item = next(items)
+            nonlocal done, limited, turn
+            while time.monotonic() < end and pool:
+                turn = (turn + 1) % len(pool)
+                item = pool[turn]
                 try:
                     if kind == "attest":
                         await self.attest(session, item["workload"], item["token"])
                     else:
                         await self.bao_sign(session, cmd)
                     done += 1
+                except Refused as exc:
+                    if exc.status != 429:
+                        errors.append(repr(exc))
+                        await asyncio.sleep(0.05)
+                        continue
+                    limited += 1
+                    with contextlib.suppress(ValueError):
+                        pool.remove(item)
                 except (aiohttp.ClientError, RuntimeError, TimeoutError, KeyError) as exc:
                     errors.append(repr(exc))
                     await asyncio.sleep(0.05)
@@ -163,6 +185,8 @@ class AttestWorker:
             "seconds": time.monotonic() - start,
             "n_errors": len(errors),
             "errors": errors[:3],
+            "rate_limited": limited,
+            "pool_exhausted": not pool,
             "client_cpu": time.process_time() - cpu0,
         }
 

