@@ -667,8 +667,14 @@ async def start_grpc(
     if server._server is not None:
         raise RuntimeError("Server is already started")
     limited = _h2_protocol_class()
+    # grpclib rescans the set of every connection's handler each 10 new connections: O(N) per
+    # connection, ~0.4 ms per new ADS stream at 10,000. Rescan when closed handlers may be a
+    # quarter of the set instead (amortised O(1); at most ~25% of handlers linger closed).
+    server.__gc_interval__ = 1 << 62
 
     def app_factory() -> asyncio.Protocol:
+        if len(server._handlers) - lst.open > max(64, lst.open // 4):
+            server.__gc_collect__()
         inner = server._protocol_factory()  # registers the connection's handler with the server
         proto = limited(inner.handler, inner.config, inner.h2_config)
         proto.limits = limits

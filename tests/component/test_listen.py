@@ -387,6 +387,29 @@ async def test_http2_connection_without_a_stream_is_closed_but_a_stream_holds_it
         assert len(seen.seen) == 1
 
 
+async def test_closed_connections_handlers_do_not_accumulate() -> None:
+    """grpclib's own every-10-connections rescan is replaced by an amortised one: closed
+    connections' handlers are still dropped."""
+    server = Server([Hold()], codec=RawCodec())
+    listener = await start_grpc(server, "127.0.0.1", 0, ssl=None, limits=FAST, name="xds")
+    try:
+        for _ in range(300):
+            channel = Channel("127.0.0.1", listener.port, codec=RawCodec())
+            async with channel.request(
+                "/t.Hold/Stream", grpclib.const.Cardinality.STREAM_STREAM, bytes, bytes
+            ) as stream:
+                await stream.send_message(b"x")
+                assert await stream.recv_message() == b"x"
+                await stream.end()
+            channel.close()
+        await asyncio.sleep(0.1)
+        assert listener.stats().open == 0
+        assert len(server._handlers) <= 64 + 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_plain_tcp_to_tls_xds_is_closed_by_the_handshake_timeout(ca: trustme.CA) -> None:
     async with grpc_server(server_tls(ca, h2=True)) as (port, seen):
         conns = [await raw(port) for _ in range(20)]
