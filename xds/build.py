@@ -163,6 +163,26 @@ class Snapshot:
             MappingProxyType({t: content_version(frozen[t]) for t in TypeUrl}),
         )
 
+    def patched(self, changes: Mapping[TypeUrl, Mapping[str, bytes]]) -> Snapshot:
+        """This snapshot with existing resources replaced (names and references unchanged):
+        a change of shared resources costs each node a dict copy per changed type, not a
+        rebuild. Returns ``self`` when nothing differs."""
+        resources = dict(self.resources)
+        versions = dict(self.versions)
+        changed = False
+        for t, replacement in changes.items():
+            current = resources[t]
+            update = {n: b for n, b in replacement.items() if n in current and current[n] is not b}
+            if not update:
+                continue
+            merged = MappingProxyType({**current, **update})
+            resources[t] = merged
+            versions[t] = content_version(merged)
+            changed = True
+        if not changed:
+            return self
+        return Snapshot(MappingProxyType(resources), self.references, MappingProxyType(versions))
+
     def version(self, type_url: TypeUrl) -> str:
         return self.versions.get(type_url, "")
 

@@ -57,6 +57,23 @@ class SnapshotCache:
             if node in self._watches:
                 self._rebuild(node)
 
+    def update(self, nodes: Iterable[str], patch: Callable[[str, Snapshot], Snapshot]) -> None:
+        """Apply ``patch`` to the held snapshots of ``nodes`` (nodes without one are built from
+        the current state when asked for) and wake the streams of those that changed."""
+        for node in nodes:
+            current = self._snapshots.get(node)
+            if current is None:
+                continue
+            new = patch(node, current)
+            if new is not current:
+                self._snapshots[node] = new
+                for watch in self._watches.get(node, ()):
+                    watch.changed.set()
+
+    def held(self) -> Iterable[str]:
+        """Nodes whose snapshot is held (a live view: do not change the cache while iterating)."""
+        return self._snapshots.keys()
+
     def invalidate_all(self) -> None:
         self._snapshots.clear()
         for node in list(self._watches):

@@ -26,9 +26,10 @@ from xds.build import (
     build_node_snapshot,
 )
 from xds.cache import SnapshotCache
-from xds.index import Identity, MeshIndex, affected_by, changed_names
+from xds.index import Identity, MeshIndex, affected_by, changed_names, principal_of
 from xds.meshpolicy import MeshPolicy, destinations_by_source
-from xds.state import Event, MeshState
+from xds.resources import INBOUND_ROUTE, MESH_TRUST, TypeUrl, outbound_name
+from xds.state import Event, MeshState, Status
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ class XdsPublisher:
         self._state: MeshState | None = None
         self._shared: SharedResources | None = None
         self._by_source: dict[Identity, frozenset[Identity]] = {}
-        self.rebuilt_nodes = 0  # nodes invalidated by the last publish (benchmarks, tests)
+        self.rebuilt_nodes = 0  # nodes rebuilt by the last publish (benchmarks, tests)
+        self.patched_nodes = 0  # held snapshots patched with new shared resources
         cache.set_source(self._build)
 
     @property
@@ -92,27 +94,52 @@ class XdsPublisher:
             for principal in affected.principals:
                 destinations |= self._by_source.get(principal, frozenset())
         self._state = state
-        everything = False
-        if tuple(mesh_policies) != shared.mesh_policies:
+        policies_changed = tuple(mesh_policies) != shared.mesh_policies
+        if policies_changed:
             shared.set_mesh_policies(mesh_policies)
             self._by_source = destinations_by_source(mesh_policies, state.trust_domain)
-            everything = True
-        if trust != shared.trust:
+        trust_changed = trust != shared.trust
+        if trust_changed:
             shared.set_trust(trust)
-            everything = True
         shared.invalidate_services(services)
         shared.invalidate_routes(destinations)
         for name in gone:
             self._cache.clear_snapshot(name)
-        if everything:
-            self.rebuilt_nodes = len(index.workloads)
-            self._cache.invalidate_all()
-            return
-        nodes |= index.callers_of(services)
-        nodes |= index.holders_of(destinations)
-        nodes -= gone
-        self.rebuilt_nodes = len(nodes)
+        # Nodes whose own configuration changed are rebuilt; the others that depend on what
+        # changed get the new shared resources patched into the snapshot they hold.
         self._cache.invalidate(nodes)
+        if trust_changed or policies_changed:
+            patch_nodes: Iterable[str] = [n for n in self._cache.held() if n not in nodes]
+        else:
+            patch_nodes = (index.callers_of(services) | index.holders_of(destinations)) - nodes
+        self.rebuilt_nodes = len(nodes)
+        self.patched_nodes = 0
+        secret = shared.trust_secret() if trust_changed else None
+        all_routes = policies_changed
+
+        def patch(node: str, snapshot: Snapshot) -> Snapshot:
+            w = index.get(node)
+            if w is None:
+                return snapshot
+            reg = w.registration
+            attested = w.status is Status.ATTESTED
+            changes: dict[TypeUrl, dict[str, bytes]] = {}
+            for service in services.intersection(reg.outbound):
+                name = outbound_name(service)
+                changes.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(service)
+                if attested:
+                    changes.setdefault(TypeUrl.ENDPOINT, {})[name] = shared.endpoints(service)
+            if attested:
+                principal = principal_of(reg)
+                if all_routes or principal in destinations:
+                    changes[TypeUrl.ROUTE] = {INBOUND_ROUTE: shared.inbound_routes(principal)}
+            if secret is not None:
+                changes[TypeUrl.SECRET] = {MESH_TRUST: secret}
+            new = snapshot.patched(changes) if changes else snapshot
+            self.patched_nodes += new is not snapshot
+            return new
+
+        self._cache.update(patch_nodes, patch)
 
     def _reset(
         self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial

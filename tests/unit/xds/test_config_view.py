@@ -47,14 +47,16 @@ def test_publisher_rebuilds_only_on_change() -> None:
         assert cache.get("frontend") is not None  # built on demand, once
         assert cache.get("backend") is not None
         built = cache.built
+        held = {n: cache.get(n) for n in ("frontend", "backend")}
         pub.publish(renewed(state), policies, TRUST, changed={"frontend"})  # a renewal
         assert cache.built == built
+        assert all(cache.get(n) is s for n, s in held.items())
         pub.publish(state, policies, replace(TRUST, crl_pem=b"other"))  # a revocation
-        assert cache.built == built + 2
+        assert cache.built == built and pub.patched_nodes == 2  # the secret, patched in
         pub.publish(state, [], replace(TRUST, crl_pem=b"other"))  # a mesh policy change
-        assert cache.built == built + 4
+        assert cache.built == built and pub.patched_nodes == 1  # backend's RBAC
         q, _ = quarantine(state, "backend", Trigger.OPERATOR, "x", NOW)
         pub.publish(q, [], replace(TRUST, crl_pem=b"other"), changed={"backend"})
-        # backend itself, and frontend, a caller of its service
-        assert cache.built == built + 6
+        # backend itself is rebuilt; frontend, a caller of its service, gets the new cluster
+        assert (cache.built, pub.patched_nodes) == (built + 1, 1)
     assert cache.get("frontend") is not None

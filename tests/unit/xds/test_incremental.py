@@ -191,8 +191,17 @@ def test_a_quarantine_rebuilds_only_the_callers_of_its_service() -> None:
     pub.publish(state, [], TRUST)
     q, _ = quarantine(state, "n0", Trigger.OPERATOR, "x", NOW)
     pub.publish(q, [], TRUST, changed={"n0"})
+    # nothing held yet: a node without a stream costs nothing until it is asked for
+    assert (pub.rebuilt_nodes, pub.patched_nodes) == (1, 0)
+    for i in range(40):
+        assert cache.get(f"n{i}") is not None
+    q2, _ = quarantine(q, "n1", Trigger.OPERATOR, "x", NOW)
+    pub.publish(q2, [], TRUST, changed={"n1"})
     callers = {f"n{i}" for i in range(2, 40, 2)}
-    assert pub.rebuilt_nodes == len(callers | {"n0"})
+    # n1 itself is rebuilt; the callers of its service get the new cluster/endpoints patched in
+    assert (pub.rebuilt_nodes, pub.patched_nodes) == (1, len(callers))
+    held = len(cache.nodes())  # n1 (rebuilt, no stream) is built again when asked for
+    assert held == 39
     t2 = TrustMaterial(TRUST.bundle_pem, b"crl2")
-    pub.publish(q, [], t2, changed=())
-    assert pub.rebuilt_nodes == 40  # the CRL reaches everyone
+    pub.publish(q2, [], t2, changed=())
+    assert (pub.rebuilt_nodes, pub.patched_nodes) == (0, held)  # the CRL reaches everyone
