@@ -361,9 +361,10 @@ async def measure_hostile(kind: str, n: int) -> tuple[float, float]:
     return (after - before) * 1.024 / max(alive, 1), took
 
 
-async def measure_streams(n: int) -> tuple[float, float]:
+async def measure_streams(n: int, extra: Sequence[str] = ()) -> tuple[float, float]:
     """(KB per idle mTLS ADS stream, CPU ms per new stream) at ``n`` streams."""
     flags = ["--max-connections", str(n + 100), "--max-connections-per-source", str(n + 100)]
+    flags += extra
     async with control_plane(flags) as cp:
         cert = await cp.attest()
         streams = AdsStreams(cp.s.xds_port, cert, cp.bundle(), cp.root)
@@ -382,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hostile", type=int, default=2000, help="connections per hostile kind")
     p.add_argument("--streams", type=int, default=1000, help="idle mTLS ADS streams")
     p.add_argument("--kinds", default=",".join(HOSTILE_KINDS))
+    p.add_argument("--cp-args", default="", help="extra controlplane flags for the stream run")
     args = p.parse_args(argv)
     raise_fd_limit(2 * (args.hostile + args.streams) + 1000)
     lean_client_tls_buffers()
@@ -393,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{kind + ': KB per connection':<44}{kb:>12.1f}", flush=True)
             print(f"{'  attestation while held (s)':<44}{took:>12.3f}  <= 1", flush=True)
         if args.streams:
-            kb, ms = await measure_streams(args.streams)
+            kb, ms = await measure_streams(args.streams, args.cp_args.split())
             n = args.streams
             print(f"{f'idle mTLS ADS stream: KB each (N={n})':<44}{kb:>12.1f}  <= 30", flush=True)
             print(f"{f'new mTLS ADS stream: CPU ms (N={n})':<44}{ms:>12.2f}  <= 2", flush=True)
