@@ -22,6 +22,7 @@ resources between nodes and successive snapshots (e.g. the trust secret, a servi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -46,6 +47,7 @@ from xds.resources import (
     TypeUrl,
     outbound_name,
 )
+from xds.state import Endpoint as WorkloadEndpoint
 from xds.state import MeshState, Registration, Status, UnknownWorkloadError
 
 with warnings.catch_warnings():
@@ -233,7 +235,7 @@ class Packer:
     without it. Bounded: cleared wholesale when it grows past ``limit`` entries.
     """
 
-    def __init__(self, limit: int = 50_000) -> None:
+    def __init__(self, limit: int = 200_000) -> None:
         self._memo: dict[Hashable, bytes] = {}
         self._limit = limit
         self.packed = 0  # resources actually serialized (tests assert sharing with it)
@@ -241,15 +243,18 @@ class Packer:
     def get(
         self, key: Hashable, type_url: TypeUrl, make: Callable[[], betterproto2.Message]
     ) -> bytes:
-        full = (type_url, key)
-        hit = self._memo.get(full)
+        return self.get_bytes((type_url, key), lambda: pb.pack(make(), type_url))
+
+    def get_bytes(self, key: Hashable, make: Callable[[], bytes]) -> bytes:
+        """Like ``get`` for a maker that returns packed ``Any`` bytes itself (hand encodings)."""
+        hit = self._memo.get(key)
         if hit is not None:
             return hit
         if len(self._memo) >= self._limit:
             self._memo.clear()
-        value = pb.pack(make(), type_url)
+        value = make()
         self.packed += 1
-        self._memo[full] = value
+        self._memo[key] = value
         return value
 
 
@@ -590,9 +595,40 @@ class SharedResources:
 
 
 def _load_assignment(packer: Packer, name: str, eps: tuple[tuple[str, int], ...]) -> bytes:
-    return packer.get(
-        ("eds", name, eps), TypeUrl.ENDPOINT, lambda: build_load_assignment(name, eps)
+    """Hand-encoded (``pb.encode_load_assignment``; equal to ``build_load_assignment``'s bytes):
+    a service with thousands of endpoints costs a join of memoized entries, not a message tree."""
+    return packer.get_bytes(
+        ("eds", name, eps),
+        lambda: pb.pack_bytes(
+            pb.encode_load_assignment(name, (_lb_endpoint(h, p) for h, p in eps)),
+            TypeUrl.ENDPOINT,
+        ),
     )
+
+
+@functools.lru_cache(maxsize=65_536)
+def _lb_endpoint(host: str, port: int) -> bytes:
+    return pb.encode_lb_endpoint(host, port)
+
+
+@functools.lru_cache(maxsize=16)
+def _inbound_listener_parts(trust_domain: str) -> tuple[bytes, bytes]:
+    """The inbound listener's serialized fields before (name) and after (filter chains) its
+    address: the same for every node of a trust domain."""
+    full = build_inbound_listener(
+        Registration("-", "-", "-", "-", WorkloadEndpoint("0.0.0.0", 1), 1), trust_domain
+    )
+    head = bytes(Listener(name=full.name))
+    tail = bytes(Listener(filter_chains=full.filter_chains))
+    return head, tail
+
+
+def inbound_listener_bytes(reg: Registration, trust_domain: str) -> bytes:
+    """``pb.pack(build_inbound_listener(reg, td))`` without rebuilding the message per node: the
+    shared fields are serialized once per trust domain and the node's address spliced in."""
+    head, tail = _inbound_listener_parts(trust_domain)
+    address = pb.encode_address(reg.inbound.address, reg.inbound.port)
+    return pb.pack_bytes(head + pb._ld(2, address) + tail, TypeUrl.LISTENER)
 
 
 def _routes(packer: Packer, permissions: tuple[Permission, ...]) -> bytes:
@@ -619,10 +655,8 @@ def build_node_snapshot(shared: SharedResources, node: str) -> Snapshot:
     }
     endpoints: dict[str, bytes] = {}
     listeners: dict[str, bytes] = {
-        INBOUND_LISTENER: packer.get(
-            ("inbound", reg.inbound, td),
-            TypeUrl.LISTENER,
-            lambda: build_inbound_listener(reg, td),
+        INBOUND_LISTENER: packer.get_bytes(
+            ("inbound", reg.inbound, td), lambda: inbound_listener_bytes(reg, td)
         )
     }
     for service, port in sorted(reg.outbound.items()):
