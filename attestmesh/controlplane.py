@@ -114,11 +114,18 @@ class CollateralSource(Protocol):
 
 
 class RegistrationTokenCheck:
-    """Local mode: a registration entry may carry the SHA-256 of a join token."""
+    """Local mode: a registration entry carries the SHA-256 of its join token. A registration
+    without one (kept in state from a run that allowed it, say) is refused unless
+    ``allow_tokenless`` (``--allow-unauthenticated-registrations``)."""
+
+    def __init__(self, *, allow_tokenless: bool) -> None:
+        self._allow_tokenless = allow_tokenless
 
     async def check(self, reg: Registration, token: str | None) -> None:
         if reg.token_sha256 is None:
-            return
+            if self._allow_tokenless:
+                return
+            raise IdentityError("identity_invalid", f"{reg.name} has no join token registered")
         got = hashlib.sha256((token or "").encode()).hexdigest()
         if not hmac.compare_digest(got, reg.token_sha256):
             raise IdentityError("identity_invalid", f"bad registration token for {reg.name}")
@@ -183,7 +190,8 @@ class ControlPlane:
         self._clock = clock
         self._serials = serials
         self._random = random_bytes
-        self._identity = identity or RegistrationTokenCheck()
+        # (the composition root passes the check it wants; this default serves in-process use)
+        self._identity = identity or RegistrationTokenCheck(allow_tokenless=True)
         self._collateral = dict(collateral_sources or {})
         self._nonces = NonceBook(key=random_bytes(32))  # stateless nonces: nothing to exhaust
         self._crl_at: datetime | None = None

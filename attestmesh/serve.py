@@ -27,7 +27,13 @@ from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from attestmesh.controlplane import CollateralSource, ControlPlane, IdentityCheck, Publisher
+from attestmesh.controlplane import (
+    CollateralSource,
+    ControlPlane,
+    IdentityCheck,
+    Publisher,
+    RegistrationTokenCheck,
+)
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
 from certs import api
@@ -81,7 +87,9 @@ class ControlPlaneSettings:
 
 def load_yaml_docs(path: Path) -> list[Any]:
     try:
-        return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        # libyaml's safe loader when present (a 10,000-workload file: ~10x faster)
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        return [d for d in yaml.load_all(path.read_text(), Loader=loader) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
         raise PolicyError([f"{path}: {exc}"]) from None
 
@@ -253,7 +261,8 @@ def build_control_plane(
         mesh_policies=mesh_policies,
         metrics=metrics,
         publisher=hooks.wrap_publisher(publisher) if hooks.wrap_publisher else publisher,
-        identity=hooks.identity,
+        identity=hooks.identity
+        or RegistrationTokenCheck(allow_tokenless=settings.allow_unauthenticated_registrations),
         clock=lambda: datetime.now(UTC),
         serials=x509.random_serial_number,
         random_bytes=secrets.token_bytes,

@@ -48,7 +48,14 @@ from xds.resources import (
     outbound_name,
 )
 from xds.state import Endpoint as WorkloadEndpoint
-from xds.state import MeshState, Registration, Status, UnknownWorkloadError
+from xds.state import (
+    MeshState,
+    Registration,
+    ServiceKey,
+    Status,
+    UnknownWorkloadError,
+    resolve_service,
+)
 
 with warnings.catch_warnings():
     # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
@@ -521,12 +528,13 @@ class SharedResources:
         self.trust = trust
         self.settings = settings
         self.packer = packer
-        self._clusters: dict[str, bytes] = {}
-        self._endpoints: dict[str, bytes] = {}
+        # per service, per spelling of it in callers' outbound entries (the resource name)
+        self._clusters: dict[ServiceKey, dict[str, bytes]] = {}
+        self._endpoints: dict[ServiceKey, dict[str, bytes]] = {}
         self._routes: dict[Identity, bytes] = {}
         self._trust: bytes | None = None
 
-    def invalidate_services(self, services: Iterable[str]) -> None:
+    def invalidate_services(self, services: Iterable[ServiceKey]) -> None:
         for s in services:
             self._clusters.pop(s, None)
             self._endpoints.pop(s, None)
@@ -552,24 +560,26 @@ class SharedResources:
             )
         return self._trust
 
-    def outbound_cluster(self, service: str) -> bytes:
-        hit = self._clusters.get(service)
+    def outbound_cluster(self, service: ServiceKey, spelled: str) -> bytes:
+        """Cluster ``out|<spelled>`` of a caller that names ``service`` as ``spelled``: it pins
+        the identities of the service's attested members."""
+        per = self._clusters.setdefault(service, {})
+        hit = per.get(spelled)
         if hit is None:
             td, settings = self.index.trust_domain, self.settings
             ids = tuple(sorted({p.spiffe_id(td) for p in self.index.peers(service)}))
-            hit = self.packer.get(
-                ("out", service, ids, td, settings),
+            hit = per[spelled] = self.packer.get(
+                ("out", spelled, ids, td, settings),
                 TypeUrl.CLUSTER,
-                lambda: build_outbound_cluster(service, ids, td, settings),
+                lambda: build_outbound_cluster(spelled, ids, td, settings),
             )
-            self._clusters[service] = hit
         return hit
 
-    def endpoints(self, service: str) -> bytes:
-        """The load assignment an attested caller of ``service`` gets."""
-        hit = self._endpoints.get(service)
+    def endpoints(self, service: ServiceKey, spelled: str) -> bytes:
+        """The load assignment an attested caller naming ``service`` as ``spelled`` gets."""
+        per = self._endpoints.setdefault(service, {})
+        hit = per.get(spelled)
         if hit is None:
-            name = outbound_name(service)
             eps = tuple(
                 sorted(
                     (p.inbound.address, p.inbound.port)
@@ -577,7 +587,7 @@ class SharedResources:
                     if p.ready
                 )
             )
-            hit = self._endpoints[service] = _load_assignment(self.packer, name, eps)
+            hit = per[spelled] = _load_assignment(self.packer, outbound_name(spelled), eps)
         return hit
 
     def inbound_routes(self, destination: Identity) -> bytes:
@@ -661,9 +671,10 @@ def build_node_snapshot(shared: SharedResources, node: str) -> Snapshot:
     }
     for service, port in sorted(reg.outbound.items()):
         name = outbound_name(service)
-        clusters[name] = shared.outbound_cluster(service)
+        key = resolve_service(reg.namespace, service)
+        clusters[name] = shared.outbound_cluster(key, service)
         endpoints[name] = (
-            shared.endpoints(service) if attested else _load_assignment(packer, name, ())
+            shared.endpoints(key, service) if attested else _load_assignment(packer, name, ())
         )
         listeners[name] = packer.get(
             ("outl", service, port, settings),

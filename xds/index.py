@@ -1,8 +1,8 @@
 """Indexes over the mesh, kept up to date per changed workload, so that a change costs what it
 touches and never a scan of the mesh. Pure (no I/O): a data structure with O(1) updates.
 
-- ``members[service]``: workloads registered as that service;
-- ``callers[service]``: workloads whose outbound configuration names that service;
+- ``members[(namespace, service)]``: workloads registered as that mesh service;
+- ``callers[(namespace, service)]``: workloads whose outbound configuration names it;
 - ``principals[(namespace, service_account)]``: workloads holding that SPIFFE identity.
 
 :func:`affected_by` says, for one workload's old and new record, which services' shared
@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from xds.state import MeshState, Registration, Status, WorkloadState
+from xds.state import (
+    MeshState,
+    Registration,
+    ServiceKey,
+    Status,
+    WorkloadState,
+    resolve_service,
+    service_key,
+)
 
 Identity = tuple[str, str]  # (namespace, service account)
 
@@ -34,16 +42,24 @@ def parse_spiffe_principal(trust_domain: str, identity: str) -> Identity | None:
     return (ns, sa)
 
 
-def _add(index: dict[str, set[str]] | dict[Identity, set[str]], key: object, name: str) -> None:
-    index.setdefault(key, set()).add(name)  # type: ignore[arg-type]
+def _add(index: dict[tuple[str, str], set[str]], key: tuple[str, str] | None, name: str) -> None:
+    if key is not None:
+        index.setdefault(key, set()).add(name)
 
 
-def _discard(index: dict[str, set[str]] | dict[Identity, set[str]], key: object, name: str) -> None:
-    names = index.get(key)  # type: ignore[call-overload]
-    if names is not None:
+def _discard(
+    index: dict[tuple[str, str], set[str]], key: tuple[str, str] | None, name: str
+) -> None:
+    names = None if key is None else index.get(key)
+    if names is not None and key is not None:
         names.discard(name)
         if not names:
-            del index[key]  # type: ignore[arg-type]
+            del index[key]
+
+
+def calls(reg: Registration) -> set[ServiceKey]:
+    """The services ``reg``'s outbound entries mean."""
+    return {resolve_service(reg.namespace, s) for s in reg.outbound}
 
 
 class MeshIndex:
@@ -52,8 +68,8 @@ class MeshIndex:
     def __init__(self, trust_domain: str) -> None:
         self.trust_domain = trust_domain
         self.workloads: dict[str, WorkloadState] = {}
-        self.members: dict[str, set[str]] = {}
-        self.callers: dict[str, set[str]] = {}
+        self.members: dict[ServiceKey, set[str]] = {}
+        self.callers: dict[ServiceKey, set[str]] = {}
         self.principals: dict[Identity, set[str]] = {}
         self.quarantined = 0
 
@@ -71,16 +87,16 @@ class MeshIndex:
             return old
         if old is not None:
             reg = old.registration
-            _discard(self.members, reg.service, name)
-            for service in reg.outbound:
+            _discard(self.members, service_key(reg), name)
+            for service in calls(reg):
                 _discard(self.callers, service, name)
             _discard(self.principals, principal_of(reg), name)
             self.quarantined -= old.status is Status.QUARANTINED
             del self.workloads[name]
         if new is not None:
             reg = new.registration
-            _add(self.members, reg.service, name)
-            for service in reg.outbound:
+            _add(self.members, service_key(reg), name)
+            for service in calls(reg):
                 _add(self.callers, service, name)
             _add(self.principals, principal_of(reg), name)
             self.quarantined += new.status is Status.QUARANTINED
@@ -90,7 +106,7 @@ class MeshIndex:
     def get(self, name: str) -> WorkloadState | None:
         return self.workloads.get(name)
 
-    def peers(self, service: str) -> list[Registration]:
+    def peers(self, service: ServiceKey) -> list[Registration]:
         """Attested workloads serving ``service``."""
         out = []
         for name in self.members.get(service, ()):
@@ -105,7 +121,7 @@ class MeshIndex:
             if w.status is Status.ATTESTED:
                 yield w
 
-    def callers_of(self, services: Iterable[str]) -> set[str]:
+    def callers_of(self, services: Iterable[ServiceKey]) -> set[str]:
         out: set[str] = set()
         for service in services:
             out |= self.callers.get(service, set())
@@ -125,7 +141,7 @@ class Affected:
     destinations whose policies name its identity."""
 
     own: bool
-    services: frozenset[str]
+    services: frozenset[ServiceKey]
     principals: frozenset[Identity]  # callers' identities whose rules must be recompiled
 
 
@@ -133,7 +149,7 @@ def _serving(w: WorkloadState | None, td: str) -> tuple[object, ...] | None:
     if w is None or w.status is not Status.ATTESTED:
         return None
     r = w.registration
-    return (r.service, r.spiffe_id(td), r.inbound, r.ready)
+    return (service_key(r), r.spiffe_id(td), r.inbound, r.ready)
 
 
 def _calling(w: WorkloadState | None) -> tuple[object, ...] | None:
@@ -153,9 +169,9 @@ def affected_by(
     old_att = old is not None and old.status is Status.ATTESTED
     new_att = new is not None and new.status is Status.ATTESTED
     own = new is not None and (old_reg != new_reg or old_att != new_att)
-    services: set[str] = set()
+    services: set[ServiceKey] = set()
     if _serving(old, trust_domain) != _serving(new, trust_domain):
-        services |= {r.service for r in (old_reg, new_reg) if r is not None}
+        services |= {k for r in (old_reg, new_reg) if r is not None and (k := service_key(r))}
     principals: set[Identity] = set()
     if _calling(old) != _calling(new):
         principals |= {principal_of(r) for r in (old_reg, new_reg) if r is not None}
@@ -174,6 +190,7 @@ __all__ = [
     "Identity",
     "MeshIndex",
     "affected_by",
+    "calls",
     "changed_names",
     "parse_spiffe_principal",
     "principal_of",

@@ -29,7 +29,7 @@ from xds.cache import SnapshotCache
 from xds.index import Identity, MeshIndex, affected_by, changed_names, principal_of
 from xds.meshpolicy import MeshPolicy, destinations_by_source
 from xds.resources import INBOUND_ROUTE, MESH_TRUST, TypeUrl, outbound_name
-from xds.state import Event, MeshState, Status
+from xds.state import Event, MeshState, ServiceKey, Status, resolve_service
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class XdsPublisher:
         index = shared.index
         nodes: set[str] = set()
         gone: set[str] = set()
-        services: set[str] = set()
+        services: set[ServiceKey] = set()
         destinations: set[Identity] = set()
         for name in names:
             new = state.workloads.get(name)
@@ -124,11 +124,16 @@ class XdsPublisher:
             reg = w.registration
             attested = w.status is Status.ATTESTED
             changes: dict[TypeUrl, dict[str, bytes]] = {}
-            for service in services.intersection(reg.outbound):
-                name = outbound_name(service)
-                changes.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(service)
+            for spelled in reg.outbound:
+                key = resolve_service(reg.namespace, spelled)
+                if key not in services:
+                    continue
+                name = outbound_name(spelled)
+                cluster = shared.outbound_cluster(key, spelled)
+                changes.setdefault(TypeUrl.CLUSTER, {})[name] = cluster
                 if attested:
-                    changes.setdefault(TypeUrl.ENDPOINT, {})[name] = shared.endpoints(service)
+                    eds = shared.endpoints(key, spelled)
+                    changes.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
             if attested:
                 principal = principal_of(reg)
                 if all_routes or principal in destinations:

@@ -10,6 +10,8 @@ from xds.state import Endpoint, Registration
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # used with fullmatch: no trailing "\n"
 _PORT = re.compile(r"[0-9]{1,5}")
+# an outbound service: "name" (the caller's namespace) or "name.namespace" (explicitly another)
+_SERVICE_REF = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)?")
 _FIELDS = {
     "name",
     "namespace",
@@ -77,8 +79,11 @@ def parse_registrations(doc: Any) -> tuple[Registration, ...]:
         else:
             for svc, port in outbound_raw.items():
                 p = _port(port)
-                if not isinstance(svc, str) or not _NAME.fullmatch(svc) or p is None:
-                    problems.append(f"{where}.outbound.{svc}: needs a service name and a port")
+                if not isinstance(svc, str) or not _SERVICE_REF.fullmatch(svc) or p is None:
+                    problems.append(
+                        f"{where}.outbound.{svc}: needs a service (name, or name.namespace for "
+                        "another namespace) and a port"
+                    )
                 else:
                     outbound[svc] = p
         token = item.get("tokenSha256")

@@ -48,8 +48,11 @@ class Endpoint:
 class Registration:
     """Static facts about a workload: who it is and where its sidecar listens.
 
-    ``name`` is unique and is its Envoy node id. ``outbound`` maps the services it calls to the
-    local port of its Envoy's outbound listener for that service. ``ready`` False (in Kubernetes:
+    ``name`` is unique and is its Envoy node id. ``service`` is the mesh service it serves in
+    its own namespace ("" for none): a service is (namespace, name), so a workload can never
+    join another namespace's service. ``outbound`` maps the services it calls (``name`` in its
+    own namespace, ``name.namespace`` elsewhere) to the local port of its Envoy's outbound
+    listener for that service. ``ready`` False (in Kubernetes:
     its EndpointSlice endpoint is not ready, or terminating) keeps it out of its service's
     endpoints; it stays registered and may still attest.
     """
@@ -68,6 +71,22 @@ class Registration:
 
     def spiffe_id(self, trust_domain: str) -> str:
         return spiffe_id(trust_domain, self.namespace, self.service_account)
+
+
+ServiceKey = tuple[str, str]
+"""A mesh service: (namespace, name). Names are never compared across namespaces."""
+
+
+def service_key(reg: Registration) -> ServiceKey | None:
+    """The mesh service ``reg`` serves (None: it serves none)."""
+    return (reg.namespace, reg.service) if reg.service else None
+
+
+def resolve_service(caller_namespace: str, spelled: str) -> ServiceKey:
+    """An outbound entry as the caller wrote it -> the service it means: ``name`` is in the
+    caller's own namespace, ``name.namespace`` names another namespace explicitly."""
+    name, sep, namespace = spelled.partition(".")
+    return (namespace if sep else caller_namespace, name)
 
 
 def spiffe_id(trust_domain: str, namespace: str, service_account: str) -> str:

@@ -29,7 +29,11 @@ def test_renewal_affects_nothing_quarantine_and_measurements_do() -> None:
     assert (a.own, a.services, a.principals) == (False, frozenset(), frozenset())
     q, _ = quarantine(state, "backend", Trigger.OPERATOR, "x", NOW)
     a = affected_by(state.workloads["backend"], q.workloads["backend"], TD)
-    assert a.own and a.services == {"backend"} and a.principals == {("default", "backend")}
+    assert (
+        a.own
+        and a.services == {("default", "backend")}
+        and a.principals == {("default", "backend")}
+    )
     assert old.attestation is not None
     other = replace(old, attestation=replace(old.attestation, measurements={"measurement": "ab"}))
     a = affected_by(old, other, TD)

@@ -81,7 +81,7 @@ registration_st = st.builds(
     st.sampled_from(ACCOUNTS),
     st.sampled_from(SERVICES),
     st.integers(15000, 15003),
-    st.lists(st.sampled_from(SERVICES), unique=True, max_size=3),
+    st.lists(st.sampled_from([*SERVICES, "a.other", "b.default"]), unique=True, max_size=3),
     st.booleans(),
 )
 

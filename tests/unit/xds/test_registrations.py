@@ -86,8 +86,8 @@ def test_every_problem_of_an_item_is_listed() -> None:
         "workloads[0].service: must be a DNS-1123 label",
         "workloads[0].inbound: must be host:port",
         "workloads[0].appPort: must be a port number",
-        "workloads[0].outbound.db: needs a service name and a port",
-        "workloads[0].outbound.Bad: needs a service name and a port",
+        "workloads[0].outbound.db: needs a service (name, or name.namespace for another namespace) and a port",
+        "workloads[0].outbound.Bad: needs a service (name, or name.namespace for another namespace) and a port",
         "workloads[0].tokenSha256: must be 64 lowercase hex characters",
         "workloads[0].labels: must map strings to strings",
     ]
