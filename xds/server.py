@@ -332,7 +332,7 @@ class DeltaSession:
             removed = [n for n in have if n not in available]
             removed.extend(n for n in due if n not in available and n not in have)
         else:
-            for name in sorted(st.names):
+            for name in st.names:
                 found = available.get(name)
                 if found is None:
                     if name in have or name in due:
