@@ -65,6 +65,7 @@ class CloseReason(enum.StrEnum):
     HEADER_TIMEOUT = "header_timeout"
     BODY_TIMEOUT = "body_timeout"
     IDLE_TIMEOUT = "idle_timeout"
+    WRITE_TIMEOUT = "write_timeout"
 
 
 OnRefused = Callable[[str, CloseReason], None]
@@ -83,6 +84,7 @@ class ListenLimits:
     header_timeout: float = 10.0  # first byte of a request -> its complete header
     body_timeout: float = 30.0  # complete header -> complete body
     idle_timeout: float = 60.0  # nothing in flight: keep-alive, silent TLS, HTTP/2 without stream
+    write_timeout: float = 30.0  # the peer does not read what is sent (writing stays paused)
     max_connections: int = 10_000  # open connections on this listener
     max_connections_per_source: int = 1_024  # per source IPv4 address / IPv6 /64
     max_streams_per_connection: int = 16  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
@@ -353,6 +355,7 @@ class _Guard(asyncio.Protocol):
         "_deadline_at",
         "_key",
         "_listener",
+        "_paused_at",
         "_since",
         "_timer",
         "_transport",
@@ -370,6 +373,7 @@ class _Guard(asyncio.Protocol):
         self._deadline_at = 0.0
         self._key: object = None
         self._since = 0.0
+        self._paused_at = -1.0  # when writing paused (the peer stopped reading); -1: not paused
         self.established = False  # connection_made reached the application
         self.owner = False  # plain TCP: this protocol holds the admission slot
         self.source: str | None = None
@@ -396,9 +400,12 @@ class _Guard(asyncio.Protocol):
         return self._app.eof_received()
 
     def pause_writing(self) -> None:
+        self._paused_at = self._listener.loop.time()
         self._app.pause_writing()
+        self._observe()
 
     def resume_writing(self) -> None:
+        self._paused_at = -1.0
         self._app.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -434,16 +441,23 @@ class _Guard(asyncio.Protocol):
         if key != self._key:
             self._key = key
             self._since = now
+        lim = lst.limits
+        if self._paused_at >= 0 and now >= self._paused_at + lim.write_timeout:
+            self._close(None)
+            return
         timeout = self._timeout(phase)
         if timeout is None:
-            # nothing to enforce now; look again later (a phase may begin without a byte)
-            lim = lst.limits
-            due = now + min(lim.idle_timeout, lim.header_timeout, lim.body_timeout)
+            # nothing to enforce now; look again later (a body may still be arriving)
+            due = self._since + lim.body_timeout
+            if due <= now:
+                due = now + lim.body_timeout
         else:
             due = self._since + timeout
             if now >= due:
                 self._close(phase)
                 return
+        if self._paused_at >= 0:
+            due = min(due, self._paused_at + lim.write_timeout)
         if self._timer is None or due < self._deadline_at:
             if self._timer is not None:
                 self._timer.cancel()
@@ -454,11 +468,11 @@ class _Guard(asyncio.Protocol):
         self._timer = None
         self._observe()
 
-    def _close(self, phase: _Phase) -> None:
+    def _close(self, phase: _Phase | None) -> None:
         transport = self._transport
         if transport is None:
             return
-        self._listener.report(_PHASE_REASON[phase])
+        self._listener.report(CloseReason.WRITE_TIMEOUT if phase is None else _PHASE_REASON[phase])
         transport.abort()
 
 
@@ -698,6 +712,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_connections": (int, "open connections per port"),
     "max_connections_per_source": (int, "open connections per port and source address"),
     "max_streams_per_connection": (int, "concurrent HTTP/2 streams per xDS connection"),
+    "write_timeout": (float, "seconds a peer may leave what is sent to it unread"),
     "tls_read_buffer": (int, "bytes read at once per TLS connection"),
 }
 

@@ -71,6 +71,15 @@ async def slow(request: web.Request) -> web.Response:
     return web.Response(text="slow")
 
 
+async def big(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    chunk = b"z" * 65536
+    for _ in range(256):  # 16 MiB: far more than the socket buffers hold
+        await resp.write(chunk)
+    return resp
+
+
 async def echo(request: web.Request) -> web.Response:
     body = await request.read()
     return web.Response(text=str(len(body)))
@@ -83,6 +92,7 @@ async def http_site(
     app = web.Application(client_max_size=4 * 2**20)
     app.router.add_get("/slow", slow)
     app.router.add_post("/echo", echo)
+    app.router.add_get("/big", big)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     seen = Refusals()
@@ -213,6 +223,21 @@ async def test_dripped_body_is_closed_by_the_body_timeout() -> None:
         assert time.monotonic() - t0 < 2
         w.close()
         assert seen.seen == [("api", CloseReason.BODY_TIMEOUT)]
+
+
+async def test_peer_that_stops_reading_is_closed_by_the_write_timeout(ca: trustme.CA) -> None:
+    limits = ListenLimits(write_timeout=0.5, idle_timeout=30, body_timeout=30, header_timeout=30)
+    async with http_site(server_tls(ca), limits) as (site, seen):
+        _, w = await asyncio.open_connection(
+            "127.0.0.1", site.port, ssl=client_tls(ca), server_hostname="localhost"
+        )
+        w.transport.pause_reading()  # asks for a large response, then never reads it
+        w.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(3):
+            while site.stats().open:
+                await asyncio.sleep(0.05)
+        w.close()
+        assert seen.seen == [("api", CloseReason.WRITE_TIMEOUT)]
 
 
 async def test_legitimate_use_is_not_cut(ca: trustme.CA) -> None:
