@@ -49,7 +49,6 @@ ANNOTATION_INJECTED = "attestmesh.dev/injected"
 ANNOTATION_INBOUND_PORT = "attestmesh.dev/inbound-port"
 ANNOTATION_APP_PORT = "attestmesh.dev/app-port"
 ANNOTATION_OUTBOUND = "attestmesh.dev/outbound"
-ANNOTATION_SERVICE = "attestmesh.dev/service"
 LABEL_QUARANTINED = "attestmesh.dev/quarantined"
 LABEL_PLATFORM_UNTRUSTED = "attestmesh.dev/platform-untrusted"
 TAINT_PLATFORM_UNTRUSTED = "attestmesh.dev/platform-untrusted"
@@ -243,9 +242,8 @@ def registration_from_pod(
 ) -> Registration | None:
     """An injected, running pod with an IP -> its Registration; anything else -> None.
 
-    Its mesh service is, in order: the ``attestmesh.dev/service`` annotation, the Service
-    selecting it (``select_service``), the ``app.kubernetes.io/name`` or ``app`` label, its
-    service account. It is not ready when listed in ``not_ready`` (from EndpointSlices). Its
+    Its mesh service is (its namespace, the Service in its namespace selecting it); a pod no
+    Service selects serves no mesh service (it may still call others). It is not ready when listed in ``not_ready`` (from EndpointSlices). Its
     ``pod_uid`` is the pod's ``metadata.uid``: agents' tokens must be bound to that very pod."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -264,13 +262,9 @@ def registration_from_pod(
         return None
     sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
     uid = meta.get("uid")
-    service = (
-        ann.get(ANNOTATION_SERVICE)
-        or select_service(namespace, labels, services)
-        or labels.get("app.kubernetes.io/name")
-        or labels.get("app")
-        or sa
-    )
+    # Membership only through what the pod's own namespace declares: a Service there selecting
+    # it. Nothing the pod says of itself (annotations, labels) makes it a member of a service.
+    service = select_service(namespace, labels, services) or ""
     return Registration(
         name=workload_name(namespace, name),
         namespace=namespace,
