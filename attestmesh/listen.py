@@ -76,9 +76,11 @@ OnRefused = Callable[[str, CloseReason], None]
 class ListenLimits:
     """Limits for one listening port. Times are seconds.
 
-    Memory under attack is bounded by ``max_connections`` x the cost of one connection (about
-    20-40 KB with the default ``tls_read_buffer``; see benchmarks/bench_connections.py); one
-    source can hold at most ``max_connections_per_source`` of them."""
+    Memory under attack is bounded by ``max_connections`` x the cost of one connection; one
+    source (IPv4 address, IPv6 /64) holds at most ``max_connections_per_source``. Measured per
+    connection in the real process (benchmarks/bench_connections.py, defaults): TCP to a TLS
+    port with no byte ~2 KB, a stalled TLS handshake ~35 KB, a silent TLS connection ~32 KB, a
+    partial header ~33 KB, a dripped body ~39 KB, an idle mTLS ADS stream ~80 KB."""
 
     handshake_timeout: float = 10.0  # accept -> TLS handshake complete (also TLS shutdown)
     header_timeout: float = 10.0  # first byte of a request -> its complete header
