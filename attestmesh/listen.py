@@ -79,8 +79,8 @@ class ListenLimits:
     Memory under attack is bounded by ``max_connections`` x the cost of one connection; one
     source (IPv4 address, IPv6 /64) holds at most ``max_connections_per_source``. Measured per
     connection in the real process (benchmarks/bench_connections.py, defaults): TCP to a TLS
-    port with no byte ~2 KB, a stalled TLS handshake ~35 KB, a silent TLS connection ~32 KB, a
-    partial header ~33 KB, a dripped body ~39 KB, an idle mTLS ADS stream ~80 KB."""
+    port with no byte ~2 KB, a stalled TLS handshake ~59 KB, a silent TLS connection ~34 KB, a
+    partial header ~34 KB, a dripped body ~41 KB, an idle mTLS ADS stream ~80 KB."""
 
     handshake_timeout: float = 10.0  # accept -> TLS handshake complete (also TLS shutdown)
     header_timeout: float = 10.0  # first byte of a request -> its complete header
