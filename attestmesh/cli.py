@@ -115,6 +115,8 @@ def _controlplane(args: argparse.Namespace) -> int:
         mesh_policy_file=args.mesh_policy,
         registrations_file=args.workloads,
         allow_unauthenticated_registrations=args.allow_unauthenticated_registrations,
+        attest_burst=args.attest_burst,
+        attest_refill=timedelta(seconds=args.attest_refill),
         trust_domain=args.trust_domain,
         host=args.host,
         api_port=args.api_port,
@@ -293,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="start although a --workloads entry has no tokenSha256 (anyone reaching the API "
         "could attest in its name; experiments only)",
     )
+    cp.add_argument(
+        "--attest-burst",
+        type=int,
+        default=8,
+        help="attestations one workload may make at once; then one more per "
+        "--attest-refill seconds (default 8; an agent needs about 2 an hour)",
+    )
+    cp.add_argument("--attest-refill", type=float, default=60.0, help="seconds (default 60)")
     cp.add_argument("--trust-domain", default="attestmesh.local")
     cp.add_argument("--host", default="127.0.0.1")
     cp.add_argument("--api-port", type=int, default=8443)

@@ -178,6 +178,7 @@ class ControlPlane:
         random_bytes: Callable[[int], bytes],
         identity: IdentityCheck | None = None,
         collateral_sources: Mapping[Tee, CollateralSource] | None = None,
+        limiter: AttestationLimiter | None = None,
     ) -> None:
         self._state = state
         self._store = store
@@ -196,7 +197,7 @@ class ControlPlane:
         self._nonces = NonceBook(key=random_bytes(32))  # stateless nonces: nothing to exhaust
         self._crl_at: datetime | None = None
         self._ca_retry_at: datetime | None = None
-        self._limiter = AttestationLimiter()
+        self._limiter = limiter or AttestationLimiter()
         self._store_failed: str | None = None
         self._last_write: asyncio.Future[None] | None = None
         self._pending: _Announcement | None = None

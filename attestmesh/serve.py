@@ -28,6 +28,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh.controlplane import (
+    AttestationLimiter,
     CollateralSource,
     ControlPlane,
     IdentityCheck,
@@ -74,6 +75,9 @@ class ControlPlaneSettings:
     # A registration without tokenSha256 lets anyone who reaches the API attest (or fail) in its
     # name: refused at start-up unless this says so explicitly.
     allow_unauthenticated_registrations: bool = False
+    # per workload: attestations at once, then one more per attest_refill
+    attest_burst: int = 8
+    attest_refill: timedelta = timedelta(seconds=60)
     sim_platform_keys: tuple[Path, ...] = ()
     roots_dir: Path | None = None
     amd_kds_url: str | None = None
@@ -267,6 +271,7 @@ def build_control_plane(
         serials=x509.random_serial_number,
         random_bytes=secrets.token_bytes,
         collateral_sources=collateral_sources,
+        limiter=AttestationLimiter(settings.attest_burst, settings.attest_refill),
     )
     cp.register(registrations)  # persists what changed (awaited before serving: cp.flushed)
     return cp, publisher, store

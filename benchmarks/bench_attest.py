@@ -18,7 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.controlplane import ControlPlane
+from attestmesh.controlplane import AttestationLimiter, ControlPlane
 from attestmesh.metrics import Metrics
 from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority, spki_der
@@ -34,6 +34,9 @@ from xds.state import Endpoint, Event, MeshState, Registration
 from xds.store import SqliteStore
 
 GOOD = bytes.fromhex("a1" * 48)
+# attestations cycle over this many workloads: each keeps at most MAX_LIVE_CERTIFICATES live
+# certificates, so cycling over two would measure revoking (and re-signing the CRL) every time
+WORKLOADS = 128
 
 
 class NullPublisher:
@@ -59,7 +62,7 @@ def make_cp(root: Path, publisher: object, platform: ec.EllipticCurvePrivateKey)
                 "kind": "AttestationPolicy",
                 "metadata": {"name": "p"},
                 "spec": {
-                    "selector": {"serviceAccounts": ["w0", "w1"]},
+                    "selector": {"serviceAccounts": [f"w{i}" for i in range(WORKLOADS)]},
                     "allowedTees": ["sim"],
                     "referenceValues": {"sim": {"measurement": [GOOD.hex()]}},
                 },
@@ -80,13 +83,15 @@ def make_cp(root: Path, publisher: object, platform: ec.EllipticCurvePrivateKey)
         clock=lambda: datetime.now(UTC),
         serials=x509.random_serial_number,
         random_bytes=secrets.token_bytes,
+        # measures cost, not the per-workload budget
+        limiter=AttestationLimiter(burst=10**9),
     )
     cp.register(
         [
             Registration(
                 f"w{i}", "default", f"w{i}", f"w{i}", Endpoint("127.0.0.1", 20000 + i), 30000 + i
             )
-            for i in range(2)
+            for i in range(WORKLOADS)
         ]
     )
     return cp
@@ -102,7 +107,7 @@ async def measure(cp: ControlPlane, platform: ec.EllipticCurvePrivateKey, n: int
             report_data=expected_report_data(nonce, spki_der(key.public_key())),
             measurement=GOOD,
         )
-        req = AttestRequest(f"w{i % 2}", "sim", evidence, build_csr(key), nonce)
+        req = AttestRequest(f"w{i % WORKLOADS}", "sim", evidence, build_csr(key), nonce)
         t0 = time.process_time()
         await cp.attest(req, None)
         cpu.append(time.process_time() - t0)
