@@ -31,8 +31,9 @@ Delta (``DeltaAggregatedResources``), per stream and type:
 - A change costs, per stream and type, one comparison of the snapshot's per-type version (or
   mapping identity); only when that differs are the resources compared, one memoized version
   lookup each. Streams hold references to the shared bytes, never copies.
-- A NACK (``error_detail`` set) is counted and logged; the rejected versions stay recorded as
-  given, so nothing is resent until that resource changes again.
+- A NACK (``error_detail`` set) is counted and logged. The client kept what it had, so the
+  server's record of it is rolled back to before that response; the rejected versions are not
+  offered again (no resend loop): a resource goes out again once it changes (or is asked for).
 """
 
 from __future__ import annotations
@@ -215,6 +216,9 @@ VersionOf = Callable[[bytes], str]
 @dataclass(slots=True)
 class _DeltaSent:
     at: float
+    # what the response did, to undo on a NACK: (name, version before, version after; None =
+    # not held)
+    changes: tuple[tuple[str, str | None, str | None], ...] = ()
     answered: bool = False
 
 
@@ -225,6 +229,7 @@ class _DeltaType:
     # name -> version last given to the client (or reported by it on a new stream)
     have: dict[str, str] = field(default_factory=dict)
     due: set[str] = field(default_factory=set)  # answer about these whatever their version
+    rejected: dict[str, str] = field(default_factory=dict)  # name -> version the client NACKed
     answer: bool = False  # answer the next diff even if it is empty (a new wildcard)
     seen: Mapping[str, bytes] | None = None  # the snapshot mapping last diffed, and its version
     seen_version: str = ""
@@ -260,7 +265,7 @@ class DeltaSession:
             sent = st.sent.get(req.response_nonce)
             if sent is not None and not sent.answered:
                 sent.answered = True
-                self._classify(type_url, req, sent)
+                self._classify(type_url, st, req, sent)
         subscribe, unsubscribe = req.resource_names_subscribe, req.resource_names_unsubscribe
         if st is None:
             st = self._types[type_url] = _DeltaType()
@@ -294,13 +299,27 @@ class DeltaSession:
                 continue
             st.names.discard(name)
             st.due.discard(name)
+            st.rejected.pop(name, None)
             if st.wildcard:
                 st.due.add(name)  # still in the wildcard or not: the client must be told
             else:
                 st.have.pop(name, None)
 
-    def _classify(self, type_url: TypeUrl, req: DeltaDiscoveryRequest, sent: _DeltaSent) -> None:
+    def _classify(
+        self, type_url: TypeUrl, st: _DeltaType, req: DeltaDiscoveryRequest, sent: _DeltaSent
+    ) -> None:
         if req.error_detail is not None:
+            # The client kept what it had: undo what this response changed (unless a later
+            # response changed it again), and do not offer the rejected versions again.
+            for name, before, after in sent.changes:
+                if st.have.get(name) != after:
+                    continue
+                if before is None:
+                    st.have.pop(name, None)
+                else:
+                    st.have[name] = before
+                if after is not None:
+                    st.rejected[name] = after
             message = req.error_detail.message
             self._metrics.xds_nacks.labels(type_url.short).inc()
             self.nacks.append((type_url, message))
@@ -321,13 +340,15 @@ class DeltaSession:
         self, st: _DeltaType, available: Mapping[str, bytes]
     ) -> tuple[list[tuple[str, str, bytes]], list[str]]:
         version_of = self._versions
-        have, due = st.have, st.due
+        have, due, rejected = st.have, st.due, st.rejected
         changed: list[tuple[str, str, bytes]] = []
         removed: list[str] = []
         if st.wildcard:
             for name, packed in available.items():
                 version = version_of(packed)
-                if name in due or have.get(name) != version:
+                if name in due or (
+                    have.get(name) != version and (not rejected or rejected.get(name) != version)
+                ):
                     changed.append((name, version, packed))
             removed = [n for n in have if n not in available]
             removed.extend(n for n in due if n not in available and n not in have)
@@ -339,7 +360,9 @@ class DeltaSession:
                         removed.append(name)
                     continue
                 version = version_of(found)
-                if name in due or have.get(name) != version:
+                if name in due or (
+                    have.get(name) != version and (not rejected or rejected.get(name) != version)
+                ):
                     changed.append((name, version, found))
         return changed, removed
 
@@ -376,15 +399,22 @@ class DeltaSession:
             st.answer = False
             if not changed and not removed and not answer:
                 continue
+            have, rejected = st.have, st.rejected
+            changes: list[tuple[str, str | None, str | None]]
+            changes = [(n, have.get(n), v) for n, v, _ in changed]
+            changes.extend((n, have.get(n), None) for n in removed)
             for name, resource_version, _ in changed:
-                st.have[name] = resource_version
+                have[name] = resource_version
             for name in removed:
-                st.have.pop(name, None)
+                have.pop(name, None)
+            if rejected:
+                for name, _, _ in changes:
+                    rejected.pop(name, None)
             if type_url is TypeUrl.CLUSTER and changed:
                 self._eds_after_cds(changed)
             self._nonce += 1
             nonce = str(self._nonce)
-            st.sent[nonce] = _DeltaSent(self._clock())
+            st.sent[nonce] = _DeltaSent(self._clock(), tuple(changes))
             if len(st.sent) > _NONCES_KEPT:
                 del st.sent[next(iter(st.sent))]
             yield pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)

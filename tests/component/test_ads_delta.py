@@ -490,6 +490,42 @@ async def test_nack_is_counted_logged_and_not_resent(caplog: pytest.LogCaptureFi
     assert nacks == 1
 
 
+async def test_nack_leaves_the_client_with_what_it_had() -> None:
+    """After a NACK the server's record of the client is what the client kept: going back to
+    that configuration sends nothing (no removal of a name the client never took), offering the
+    rejected versions again sends nothing, and a new version of the resource is sent."""
+    cache, metrics = SnapshotCache(), Metrics()
+    s = snap(three_workloads())
+    cache.set_snapshot("frontend", s)
+
+    def listener(buffer_limit: int) -> bytes:
+        msg: Any = AnyMsg.parse(s.get(LDS)["out|backend"]).unpack()
+        d = {**msg.to_dict(), "perConnectionBufferLimitBytes": buffer_limit}
+        return pb.pack(type(msg).from_dict(d), LDS)
+
+    async with envoy(cache, metrics) as e:
+        await subscribe_all(e, s)
+        extra: Any = AnyMsg.parse(s.get(LDS)["out|cache"]).unpack()
+        bad = pb.pack(type(extra).from_dict({**extra.to_dict(), "name": "bad"}), LDS)
+        rejected = replaced(s, LDS, out_backend=listener(1234), bad=bad)
+        cache.set_snapshot("frontend", rejected)
+        lds = await e.recv(apply=False)
+        assert sent(lds) == ["bad", "out|backend"]
+        await e.send(LDS, nonce=lds.nonce, error="listener bad: address already in use")
+        await e.silent()
+        cache.set_snapshot("frontend", s)  # back to what the client kept
+        await e.silent()
+        cache.set_snapshot("frontend", rejected)  # the rejected versions are not offered again
+        await e.silent()
+        assert e.held[LDS] == expected(s, LDS)
+        cache.set_snapshot("frontend", replaced(s, LDS, out_backend=listener(4321)))
+        fixed = await e.recv()
+        assert (fixed.type_url, sent(fixed), fixed.removed_resources) == (LDS, ["out|backend"], [])
+        await e.ack(fixed)
+        await e.silent()
+    assert metrics.registry.get_sample_value("attestmesh_xds_nacks_total", {"type": "lds"}) == 1
+
+
 async def test_stale_and_unknown_nonces_change_nothing() -> None:
     cache, metrics = SnapshotCache(), Metrics()
     cache.set_snapshot("frontend", snap(two_workloads()))
