@@ -182,17 +182,20 @@ class ResourceVersions:
     Resources are shared between nodes and streams, so each distinct bytes object is hashed
     once, however many streams send it. The memo is keyed by the bytes themselves: CPython
     caches a bytes object's hash, and a dict lookup with the very same object is an identity
-    check, so a hit costs no more than a lookup by ``id``. Bounded: two generations of at most
-    ``limit`` entries each; an entry unused for a whole generation is dropped (and hashed again
-    if it ever comes back).
+    check, so a hit costs no more than a lookup by ``id``. Bounded: two generations, each of at
+    most ``limit`` entries and ``max_bytes`` of keys; an entry unused for a whole generation is
+    dropped (and hashed again if it ever comes back), so the memo keeps at most about
+    ``2 * max_bytes`` of resources alive that no snapshot holds any more.
     """
 
-    __slots__ = ("_current", "_limit", "_previous", "hashed")
+    __slots__ = ("_current", "_current_bytes", "_limit", "_max_bytes", "_previous", "hashed")
 
-    def __init__(self, limit: int = 100_000) -> None:
+    def __init__(self, limit: int = 100_000, max_bytes: int = 16 << 20) -> None:
         self._current: dict[bytes, str] = {}
         self._previous: dict[bytes, str] = {}
+        self._current_bytes = 0
         self._limit = limit
+        self._max_bytes = max_bytes
         self.hashed = 0  # resources actually hashed (tests and benchmarks read it)
 
     def __call__(self, packed: bytes) -> str:
@@ -203,9 +206,10 @@ class ResourceVersions:
         if version is None:
             version = hashlib.blake2b(packed, digest_size=8).hexdigest()
             self.hashed += 1
-        if len(self._current) >= self._limit:
-            self._previous, self._current = self._current, {}
+        if len(self._current) >= self._limit or self._current_bytes >= self._max_bytes:
+            self._previous, self._current, self._current_bytes = self._current, {}, 0
         self._current[packed] = version
+        self._current_bytes += len(packed)
         return version
 
 

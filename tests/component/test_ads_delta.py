@@ -588,6 +588,16 @@ def test_resource_versions_are_content_hashes_and_bounded() -> None:
         versions(x)
     versions(c)  # aged out of both generations: hashed again
     assert versions.hashed == hashed + 5
+    # the bytes a generation keeps alive are bounded too
+    by_size = ResourceVersions(max_bytes=25)
+    big = [bytes([i]) * 10 for i in range(9)]
+    for x in big:
+        by_size(x)
+    hashed = by_size.hashed
+    by_size(big[0])  # two generations (of about 25 bytes each) ago: gone
+    assert by_size.hashed == hashed + 1
+    by_size(big[8])  # the newest: still held
+    assert by_size.hashed == hashed + 1
 
 
 def test_session_ignores_unknown_types() -> None:
