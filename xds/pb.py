@@ -70,6 +70,10 @@ def validator_cache_installed() -> bool:
 
 
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _ONE_BYTE[n]
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -79,6 +83,9 @@ def _varint(n: int) -> bytes:
         else:
             out.append(b)
             return bytes(out)
+
+
+_ONE_BYTE = tuple(bytes((i,)) for i in range(0x80))
 
 
 def _ld(field: int, payload: bytes) -> bytes:
