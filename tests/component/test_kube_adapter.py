@@ -316,7 +316,9 @@ async def test_pods_become_registrations_and_watch_relists_after_410(kube: FakeK
         reg = rec.registered[0]
         assert reg.inbound == Endpoint("10.1.0.5", 15006)
         assert reg.app_port == 8080 and reg.outbound == {"billing": 15001}
-        assert reg.service_account == "web" and reg.service == "web"
+        # labelled app=web, service account web, but no Service selects it: it serves no mesh
+        # service (it may still call billing)
+        assert reg.service_account == "web" and reg.service == ""
 
         await kube.put_object("pods", pod_obj("web-1", ip="10.1.0.6"))
         await eventually(lambda: [r.name for r in rec.registered][-1:] == ["shop/web-1"])
@@ -519,12 +521,32 @@ def test_service_selection_and_registration_precedence_are_pure() -> None:
     assert select_service("shop", both, services[::-1]) == "alpha"
     assert select_service("shop", {"app": "db"}, services) is None
 
+    # a Service in another namespace never selects: "aaa" is the lowest name but not shop's
+    assert select_service("other", {"app": "web"}, services) == "aaa"
+    assert select_service("evil", {"app": "web"}, services) is None
+
+    def service_of(pod: dict[str, Any], given: list[ServiceSelector]) -> str:
+        reg = registration_from_pod(pod, given)
+        assert reg is not None  # injected, running, with an IP: registered either way
+        return reg.service
+
     pod = pod_obj("web-0")
     reg = registration_from_pod(pod, services)
     assert reg is not None and reg.service == "billing" and reg.ready
-    assert (registration_from_pod(pod) or reg).service == "web"  # no Service: the app label
+    # no Service selects it: no mesh service; the app label and the service account name none
+    pod["metadata"]["labels"]["app.kubernetes.io/name"] = "web"
+    assert service_of(pod, []) == ""
+    # what the pod says of itself never makes membership: the old service annotation is ignored
     pod["metadata"]["annotations"]["attestmesh.dev/service"] = "checkout"
-    assert (registration_from_pod(pod, services) or reg).service == "checkout"  # annotation wins
+    assert service_of(pod, services) == "billing"
+    assert service_of(pod, []) == ""
+    # the same pod in another namespace: only that namespace's Services count
+    for ns, expected in (("other", "aaa"), ("evil", "")):
+        moved = pod_obj("web-0", ns=ns)
+        moved["metadata"]["annotations"]["attestmesh.dev/service"] = "billing"
+        moved_reg = registration_from_pod(moved, services)
+        assert moved_reg is not None
+        assert (moved_reg.namespace, moved_reg.service) == (ns, expected)
     not_ready = registration_from_pod(pod, services, {WorkloadRef("shop", "web-0")})
     assert not_ready is not None and not not_ready.ready
 
@@ -562,11 +584,13 @@ def test_endpoint_slice_readiness_and_nodes_are_pure() -> None:
 async def test_services_name_pods_and_their_changes_reregister(kube: FakeKube) -> None:
     await kube.put_object("services", service_obj("billing", {"app": "web"}))
     await kube.put_object("services", service_obj("zeta", {"app": "web"}))
+    # another namespace's Service selecting the same labels, with the lowest name: never shop's
     await kube.put_object("services", service_obj("aaa", {"app": "web"}, ns="other"))
     await kube.put_object("pods", pod_obj("web-0"))
     annotated = pod_obj("web-1", ip="10.1.0.6")
-    annotated["metadata"]["annotations"]["attestmesh.dev/service"] = "checkout"
+    annotated["metadata"]["annotations"]["attestmesh.dev/service"] = "checkout"  # ignored
     await kube.put_object("pods", annotated)
+    await kube.put_object("pods", pod_obj("web-9", ns="other", ip="10.2.0.9"))
     kube.fail("GET", "/api/v1/services", 500)  # the first Service list fails: pods wait
     rec = Recorder()
     metrics = KubeMetrics(CollectorRegistry())
@@ -577,39 +601,50 @@ async def test_services_name_pods_and_their_changes_reregister(kube: FakeKube) -
     def service_of(name: str) -> str:
         return source.pods[name].service
 
+    def shop_services() -> set[str]:
+        return {service_of("shop/web-0"), service_of("shop/web-1")}
+
     async with running(source):
-        # announced once, already with the Service's name (pods are listed after Services)
+        # announced once, already with the Service's name (pods are listed after Services);
+        # the annotation names nothing, each namespace's pods get only their own Service
         assert metrics.watch_restarts.labels(resource="services", reason="error")._value.get() == 1
-        assert [(r.name, r.service) for r in rec.registered] == [
-            ("shop/web-0", "billing"),
-            ("shop/web-1", "checkout"),
-        ]
-        # the lowest-named Service goes: the next one names the pod
+        assert len(rec.registered) == 3
+        assert {r.name: r.service for r in rec.registered} == {
+            "shop/web-0": "billing",
+            "shop/web-1": "billing",
+            "other/web-9": "aaa",
+        }
+        # the lowest-named Service goes: the next one names the pods (both, annotation or not)
         await kube.delete_object("services", "shop", "billing")
-        await eventually(lambda: service_of("shop/web-0") == "zeta")
-        assert rec.registered[-1].name == "shop/web-0"
+        await eventually(lambda: shop_services() == {"zeta"})
+        assert len(rec.registered) == 5
+        assert {r.name for r in rec.registered[-2:]} == {"shop/web-0", "shop/web-1"}
         # a change that is not the selector re-registers nothing
         count = len(rec.registered)
         ported = service_obj("zeta", {"app": "web"})
         ported["spec"]["ports"] = [{"port": 81}]
         await kube.put_object("services", ported)
-        # the selector no longer matches: back to the app label
+        # the selector no longer matches: no Service in shop selects them; the app label, the
+        # service account and the annotation name no mesh service
         await kube.put_object("services", service_obj("zeta", {"app": "other"}))
-        await eventually(lambda: service_of("shop/web-0") == "web")
-        assert len(rec.registered) == count + 1
+        await eventually(lambda: shop_services() == {""})
+        assert len(rec.registered) == count + 2
+        assert service_of("other/web-9") == "aaa"  # other's Service is no fallback for shop
 
         # a Service created while the watch is gone (410): seen after the relist
         services = source.watcher("services")
         lists = services.lists
         kube.compact(drop_watches=True)
         await kube.put_object("services", service_obj("billing", {"app": "web"}))
-        await eventually(lambda: service_of("shop/web-0") == "billing")
+        await eventually(lambda: shop_services() == {"billing"})
         await eventually(lambda: services.lists == lists + 1)
         # a pod created later is derived with the Services known
         await kube.put_object("pods", pod_obj("web-2", ip="10.1.0.7"))
         await eventually(lambda: "shop/web-2" in source.pods)
         assert service_of("shop/web-2") == "billing"
-    assert service_of("shop/web-1") == "checkout"  # the annotation won throughout
+    assert service_of("shop/web-1") == "billing"  # the annotation never counted
+    assert service_of("other/web-9") == "aaa"
+    assert [r.service for r in rec.registered if r.name == "other/web-9"] == ["aaa"]  # once
     assert not rec.removed
     assert metrics.watch_restarts.labels(resource="services", reason="gone")._value.get() >= 1
 

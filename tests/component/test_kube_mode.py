@@ -43,7 +43,7 @@ from sidecar.inject import (
 from tests.fakekube import FakeKube
 from tests.fakekube.server import CONFIGMAPS, ResourceType
 from tests.unit.inject.jsonpatch import apply_patch
-from tests.unit.xds.test_xds_build import endpoints
+from tests.unit.xds.test_xds_build import decoded, endpoints
 from xds.build import Snapshot
 from xds.kube import (
     CONDITION_ACCEPTED,
@@ -52,6 +52,7 @@ from xds.kube import (
     TAINT_PLATFORM_UNTRUSTED,
     KubeClient,
 )
+from xds.resources import TypeUrl
 from xds.state import Endpoint, Event, EventKind, MeshState, Registration, Status, Trigger, register
 
 GOOD = bytes.fromhex("a1" * 48)
@@ -639,8 +640,8 @@ LEDGER = "shop/ledger-0"
 
 
 def ledger_pod(ip: str = "10.1.0.9") -> dict[str, Any]:
-    """A pod of the billing Service (its labels name no app: without the Service its mesh
-    service falls back to its service account, web)."""
+    """A pod of the billing Service. Its service account is web and it keeps the annotations
+    of ``pod_obj``: neither makes it a member of any mesh service, only the Service does."""
     obj = pod_obj("ledger-0", ip)
     obj["metadata"]["labels"] = {"tier": "billing"}
     return obj
@@ -674,6 +675,13 @@ def snapshot_of(plane: Plane, node: str) -> Snapshot:
     return snap
 
 
+def pinned(snap: Snapshot, cluster: str) -> list[str]:
+    """The SPIFFE IDs cluster ``cluster`` accepts from upstream peers (its SAN matchers)."""
+    tls = decoded(snap, TypeUrl.CLUSTER, cluster)["transportSocket"]["typedConfig"]
+    ctx = tls["commonTlsContext"]["combinedValidationContext"]["defaultValidationContext"]
+    return sorted(m["matcher"]["exact"] for m in ctx.get("matchTypedSubjectAltNames", []))
+
+
 async def test_service_and_endpoint_slices_shape_the_callers_endpoints(
     kube: FakeKube, tmp_path: Path, sim_key: Path
 ) -> None:
@@ -699,6 +707,9 @@ async def test_service_and_endpoint_slices_shape_the_callers_endpoints(
             return endpoints(snapshot_of(plane, WORKLOAD), "out|billing")
 
         assert billing_endpoints() == [("10.1.0.9", 15006)]
+        assert pinned(snapshot_of(plane, WORKLOAD), "out|billing") == [
+            "spiffe://attestmesh.local/ns/shop/sa/web"
+        ]
 
         # its EndpointSlice says not ready: out of the caller's EDS; ready again: back
         group = "discovery.k8s.io"
@@ -712,10 +723,18 @@ async def test_service_and_endpoint_slices_shape_the_callers_endpoints(
         await kube.put_object("pods", ledger_pod("10.1.0.19"))
         await eventually(lambda: billing_endpoints() == [("10.1.0.19", 15006)])
 
-        # the Service goes: the pod falls back to its own mesh service name
+        # the Service goes: the pod serves no mesh service at all (not its service account's
+        # name, not a label); it stays registered and attested, and leaves the caller's EDS
+        # and CDS pins
         await kube.delete_object("services", "shop", "billing")
-        await eventually(lambda: cp.state.get(LEDGER).registration.service == "web")
+        await eventually(lambda: cp.state.get(LEDGER).registration.service == "")
         assert billing_endpoints() == []
+        assert cp.status_of(LEDGER) is Status.ATTESTED
+        nobody = ["spiffe://attestmesh.local/-/none"]  # a service with no attested member
+        await eventually(lambda: pinned(snapshot_of(plane, WORKLOAD), "out|billing") == nobody)
+        index = plane.running.publisher.index
+        assert index is not None
+        assert not any(LEDGER in members for members in index.members.values())
 
     # a restart keeps readiness from the cluster, not from the persisted state
     await kube.put_object("services", billing)
