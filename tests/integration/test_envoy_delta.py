@@ -18,7 +18,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +30,7 @@ from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
 from certs.ca import CertificateAuthority
-from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
+from sidecar.bootstrap import ControlPlaneAddress, XdsProtocol, build_bootstrap
 from sidecar.sds import LocalSds, start_sds
 from tests.integration.ads_process import dump_snapshots
 from tests.integration.envoy_harness import EnvoyProcess, free_port, run_envoy
@@ -152,7 +152,9 @@ def _mesh(ca: CertificateAuthority) -> DeltaMesh:
     )
 
 
-async def _sidecars(m: DeltaMesh, stack: AsyncExitStack, tmp: Path) -> None:
+async def _sidecars(
+    m: DeltaMesh, stack: AsyncExitStack, tmp: Path, protocol: XdsProtocol | None = None
+) -> None:
     sockdir = Path(tempfile.mkdtemp(prefix="am-", dir="/tmp"))  # Unix paths must stay short
     stack.callback(shutil.rmtree, sockdir, True)
     for name, reg in m.regs.items():
@@ -164,8 +166,12 @@ async def _sidecars(m: DeltaMesh, stack: AsyncExitStack, tmp: Path) -> None:
         stack.push_async_callback(sds_server.wait_closed)
         stack.callback(sds_server.close)
         admin = free_port()
-        boot = build_bootstrap(name, ControlPlaneAddress("127.0.0.1", m.xds_port), sock, admin)
-        assert boot["dynamic_resources"]["ads_config"]["api_type"] == "DELTA_GRPC"  # default
+        address = ControlPlaneAddress("127.0.0.1", m.xds_port)
+        if protocol is None:
+            boot = build_bootstrap(name, address, sock, admin)
+            assert boot["dynamic_resources"]["ads_config"]["api_type"] == "DELTA_GRPC"  # default
+        else:
+            boot = build_bootstrap(name, address, sock, admin, xds_protocol=protocol)
         m.envoys[name] = await stack.enter_async_context(
             run_envoy(name, boot, tmp, admin, log_level="info")
         )
@@ -174,17 +180,23 @@ async def _sidecars(m: DeltaMesh, stack: AsyncExitStack, tmp: Path) -> None:
         await wait_for_200(s, m.url("backend", "frontend"))
 
 
-@pytest.fixture
-async def mesh(tmp_path: Path) -> AsyncIterator[DeltaMesh]:
-    """Both Envoys configured over delta ADS by an in-process control plane."""
+@asynccontextmanager
+async def _in_process(tmp: Path, protocol: XdsProtocol | None = None) -> AsyncIterator[DeltaMesh]:
     async with AsyncExitStack() as stack:
-        m = _mesh(CertificateAuthority.load_or_create(tmp_path / "ca", TD, NOW))
+        m = _mesh(CertificateAuthority.load_or_create(tmp / "ca", TD, NOW))
         m.publish()
         m.xds_port = free_port()
         server, _ = await start_ads(m.cache, "127.0.0.1", m.xds_port, m.metrics)
         stack.push_async_callback(server.wait_closed)
         stack.callback(server.close)
-        await _sidecars(m, stack, tmp_path)
+        await _sidecars(m, stack, tmp, protocol)
+        yield m
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path) -> AsyncIterator[DeltaMesh]:
+    """Both Envoys configured over delta ADS by an in-process control plane."""
+    async with _in_process(tmp_path) as m:
         yield m
 
 
@@ -239,6 +251,20 @@ async def test_membership_change_reaches_envoy_and_is_acked(mesh: DeltaMesh) -> 
     for short, prefix in UPDATE_STATS.items():
         assert await stat(fe, f"{prefix}.update_rejected") == 0, short
     print(f"\ndelta: quarantine push -> frontend refused in {refused_ms:.1f} ms")
+
+
+async def test_state_of_the_world_stays_served_beside_delta(tmp_path: Path) -> None:
+    """``--xds-protocol sotw``: the same server configures Envoys over SotW ADS too."""
+    async with _in_process(tmp_path, XdsProtocol.SOTW) as m, aiohttp.ClientSession() as s:
+        fe = m.envoys["frontend"]
+        assert '"api_type": "GRPC"' in str(await fe.config_dump()).replace("'", '"')
+        assert (await get(s, m.url("frontend", "backend")))[0] == 200
+        m.state, _ = quarantine(m.state, "backend", Trigger.OPERATOR, "test", NOW)
+        m.publish()
+        await wait_for_status(s, m.url("frontend", "backend"), 503)
+        for prefix in UPDATE_STATS.values():
+            assert await stat(fe, f"{prefix}.update_rejected") == 0
+        assert m.nacks("cds") == m.nacks("eds") == 0
 
 
 async def test_updated_eds_cluster_warms_without_waiting_for_a_timeout(mesh: DeltaMesh) -> None:
