@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,6 @@ def _controlplane(args: argparse.Namespace) -> int:
         import dataclasses
         import os
         import socket
-        from datetime import timedelta
 
         from attestmesh.kube_mode import KubeSettings
         from sidecar.inject import InjectConfig

@@ -87,7 +87,7 @@ class ListenLimits:
     body_timeout: float = 30.0  # complete header -> complete body
     idle_timeout: float = 60.0  # nothing in flight: keep-alive, silent TLS, HTTP/2 without stream
     write_timeout: float = 30.0  # the peer does not read what is sent (writing stays paused)
-    max_connections: int = 10_000  # open connections on this listener
+    max_connections: int = 20_000  # open connections on this listener (xDS: >= the mesh)
     max_connections_per_source: int = 1_024  # per source IPv4 address / IPv6 /64
     max_streams_per_connection: int = 16  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
     max_header_list_size: int = 16_384  # HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE

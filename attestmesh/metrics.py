@@ -32,6 +32,12 @@ class Metrics:
         self.certificates_issued = Counter(
             "attestmesh_certificates_issued_total", "Leaf certificates issued", registry=r
         )
+        self.listener_closed = Counter(
+            "attestmesh_listener_closed_total",
+            "Connections refused at accept (caps) or closed by a timeout, by listener and reason",
+            ["listener", "reason"],
+            registry=r,
+        )
         self.certificates_withdrawn = Counter(
             "attestmesh_certificates_withdrawn_total",
             "Certificates revoked because the response carrying them never reached the agent",
