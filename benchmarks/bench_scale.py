@@ -296,6 +296,7 @@ class Settings:
     quarantine_timeout: float
     first_attest_timeout: float
     attest_concurrency: int
+    cert_per_workload: bool = False  # False: one certificate per service account
 
 
 def log(msg: str) -> None:
@@ -384,9 +385,10 @@ class MeshRun:
         items = []
         for w in self.mesh:
             item = {"workload": w.name, "token": w.token}
-            if w.sa not in saved:
-                saved.add(w.sa)
-                item["save"] = str(self.certs / w.sa)
+            holder = self.cert_holder(w)
+            if holder not in saved:
+                saved.add(holder)
+                item["save"] = str(self.certs / holder)
             items.append(item)
         log(f"N={self.n}: attesting {len(items)} workloads")
         t0 = time.monotonic()
@@ -402,6 +404,11 @@ class MeshRun:
         f.set("startup_cpu_s", await self.cp.start(self.s.phase_timeout))
         return f.values["startup_cpu_s"] != TIMEOUT
 
+    def cert_holder(self, w: Workload) -> str:
+        """Whose certificate a node's stream presents: its service account's (the control
+        plane authorizes a node by the SPIFFE ID, today per service account), or its own."""
+        return w.name if self.s.cert_per_workload else w.sa
+
     async def open_streams(self, f: Figures, streams: Sequence[Workload]) -> bool:
         bundle = str(self.cp.state_dir / "ca" / "root.pem")
         k = max(1, min(self.s.ads_workers, math.ceil(len(streams) / 250)))
@@ -414,8 +421,8 @@ class MeshRun:
                 "node": w.name,
                 "caller": w.caller,
                 "src": source_address(i),
-                "cert": str(self.certs / f"{w.sa}.chain.pem"),
-                "key": str(self.certs / f"{w.sa}.key.pem"),
+                "cert": str(self.certs / f"{self.cert_holder(w)}.chain.pem"),
+                "key": str(self.certs / f"{self.cert_holder(w)}.key.pem"),
             }
             for i, w in enumerate(streams)
         ]
@@ -566,6 +573,7 @@ class MeshRun:
             if c == 64:
                 probe = asyncio.create_task(self.probe_healthz(session, start_at, self.s.load_s))
             await asyncio.sleep(max(0.0, start_at - time.monotonic() - 0.05))
+            pushed0 = await self.ads_stats()
             c0 = meter.sample()
             outs = await asyncio.wait_for(
                 asyncio.gather(
@@ -586,7 +594,12 @@ class MeshRun:
                 self.s.load_s + self.s.phase_timeout,
             )
             c1 = meter.sample()
+            await meter.settle()
+            pushed = {k: v - pushed0.get(k, 0) for k, v in (await self.ads_stats()).items()}
             done = sum(o["done"] for o in outs)
+            if any(pushed.values()):
+                each = ", ".join(f"{k} {v / max(done, 1):.1f}" for k, v in pushed.items() if v)
+                f.notes.append(f"issuance at {c}: ADS responses per attestation: {each}")
             errs = sum(o["n_errors"] for o in outs)
             if errs:
                 f.notes.append(f"issuance at {c}: {errs} errors, e.g. {outs[0]['errors'][:1]}")
@@ -611,6 +624,14 @@ class MeshRun:
                 f"(clients: {client:.2f} cores)"
             )
         f.set("cpu_per_attest_ratio", max(ratios))
+
+    async def ads_stats(self) -> dict[str, int]:
+        """Responses the streams have received so far, by resource type (summed)."""
+        total: dict[str, int] = {}
+        for out in await asyncio.gather(*(w.call({"cmd": "stats"}) for w in self.ads)):
+            for k, v in out.items():
+                total[k] = total.get(k, 0) + int(v)
+        return total
 
     async def probe_healthz(
         self, session: aiohttp.ClientSession, start_at: float, seconds: float
@@ -808,6 +829,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-timeout", type=float, default=600, help="cap on start-up, streams")
     p.add_argument("--quarantine-timeout", type=float, default=300)
     p.add_argument("--first-attest-timeout", type=float, default=300)
+    p.add_argument(
+        "--cert-per-workload",
+        action="store_true",
+        help="each stream presents its own workload's certificate (default: one per service "
+        "account, which the control plane accepts for every node of that account)",
+    )
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -838,6 +865,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             quarantine_timeout=args.quarantine_timeout,
             first_attest_timeout=args.first_attest_timeout,
             attest_concurrency=4,
+            cert_per_workload=args.cert_per_workload,
         )
         platform = ec.generate_private_key(ec.SECP256R1())
         sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"

@@ -422,6 +422,7 @@ class Stream(asyncio.Protocol):
 
     def _after(self, type_url: str) -> None:
         self.responses += 1
+        self.w.sent[type_url] = self.w.sent.get(type_url, 0) + 1
         self._ack(type_url)
         if type_url in WILDCARD:
             self._subscriptions()
@@ -459,6 +460,7 @@ class Worker:
         self.all_taken = asyncio.Event()
         self.contexts: dict[tuple[str, str], ssl.SSLContext] = {}
         self.lost_count = 0
+        self.sent: dict[str, int] = {}  # responses received, by type URL
 
     def lost(self, stream: Stream) -> None:
         self.lost_count += 1
@@ -565,6 +567,8 @@ class Worker:
             return self.mark(cmd)
         if op == "wait_taken":
             return await self.wait_taken(cmd)
+        if op == "stats":  # responses received so far, by short type name
+            return {t.rsplit(".", 1)[-1]: n for t, n in self.sent.items()}
         if op == "close":
             for s in self.streams:
                 if s.transport is not None:
