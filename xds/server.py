@@ -255,6 +255,9 @@ class DeltaSession:
         self._clock = clock
         self._versions = versions
         self._types: dict[TypeUrl, _DeltaType] = {}
+        # clusters CDS updated before EDS was subscribed on this stream (a reconnect: the EDS
+        # request, carrying versions the client holds, may come after the CDS answer)
+        self._clusters_before_eds: set[str] = set()
         self._nonce = 0
         self.nacks: list[tuple[TypeUrl, str]] = []  # (type, Envoy's message), newest last
 
@@ -289,6 +292,9 @@ class DeltaSession:
                 for name, version in initial.items()
                 if version and (st.wildcard or name in st.names)
             }
+            if type_url is TypeUrl.ENDPOINT and self._clusters_before_eds:
+                st.due |= self._clusters_before_eds & (st.have.keys() | st.names)
+                self._clusters_before_eds = set()
             subscribe = []
         for name in subscribe:
             if name == "*":
@@ -376,6 +382,7 @@ class DeltaSession:
         # (The cluster's EDS name is its own name: build sets no eds service_name.)
         eds = self._types.get(TypeUrl.ENDPOINT)
         if eds is None:
+            self._clusters_before_eds.update(name for name, _, _ in clusters)
             return
         for name, _, _ in clusters:
             if name in eds.names or (eds.wildcard and name in eds.have):

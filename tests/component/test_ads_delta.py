@@ -394,6 +394,32 @@ async def test_eds_sent_again_after_cds_changes_its_cluster() -> None:
         await e.silent()
 
 
+async def test_reconnect_eds_after_a_cds_update_answered_before_eds_was_asked() -> None:
+    """On a new stream the CDS answer (an updated cluster) can go out before the EDS request
+    arrives, and that request states the version the client holds: the updated cluster still
+    needs an EDS response to warm, so it gets one."""
+    cache = SnapshotCache()
+    s = snap(three_workloads())
+    cache.set_snapshot("frontend", s)
+    async with envoy(cache, Metrics()) as e:
+        await subscribe_all(e, s)
+        held = {t: dict(v) for t, v in e.held.items()}
+    cluster: Any = AnyMsg.parse(s.get(CDS)["out|backend"]).unpack()
+    slower = Cluster.from_dict({**cluster.to_dict(), "connectTimeout": "2.500s"})
+    cache.set_snapshot("frontend", replaced(s, CDS, out_backend=pb.pack(slower, CDS)))
+    async with envoy(cache, Metrics()) as e:
+        e.held = held
+        await e.send(CDS, initial=held[CDS])
+        cds = await e.recv()
+        assert sent(cds) == ["out|backend"]
+        await e.send(EDS, sorted(held[EDS]), initial=held[EDS])
+        eds = await e.recv()
+        assert sent(eds) == ["out|backend"], "the updated cluster's endpoints, same version"
+        await e.ack(cds)
+        await e.ack(eds)
+        await e.silent()
+
+
 async def test_resubscribing_a_held_name_is_answered() -> None:
     cache = SnapshotCache()
     s = snap(three_workloads())
