@@ -342,10 +342,12 @@ class AdsChild:
     def __init__(self, path: Path, port: int, log: Path) -> None:
         self.path, self.port, self.log = path, port, log
         self.proc: asyncio.subprocess.Process | None = None
+        self.snapshots: dict[str, Snapshot] = {}
 
     async def start(self, snapshots: Mapping[str, Snapshot] | None = None) -> None:
         """Serve ``snapshots`` (None: the same bytes as last time)."""
         if snapshots is not None:
+            self.snapshots = dict(snapshots)
             dump_snapshots(snapshots, self.path)
         with self.log.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
@@ -426,7 +428,31 @@ async def test_reconnect_to_a_restarted_control_plane_with_initial_versions(
             assert set(grown) <= wildcards, (envoy.name, grown)
         assert (await get(session, m.url("frontend", "backend")))[0] == 200
 
-        # 2. restarted with a changed configuration (backend quarantined while it was down):
+        # 2. restarted with frontend's backend cluster changed (its endpoints not): the
+        # reconnecting Envoy holds those endpoints, yet the updated cluster warms at once
+        await child.kill()
+        fe = m.envoys["frontend"]
+        cds_before = await stat(fe, "cluster_manager.cds.update_success")
+        s = child.snapshots["frontend"]
+        cluster: Any = AnyMsg.parse(s.get(TypeUrl.CLUSTER)["out|backend"]).unpack()
+        slower = Cluster.from_dict({**cluster.to_dict(), "connectTimeout": "2.500s"})
+        resources = {t: dict(s.get(t)) for t in TypeUrl}
+        resources[TypeUrl.CLUSTER]["out|backend"] = pb.pack(slower, TypeUrl.CLUSTER)
+        await child.start({**child.snapshots, "frontend": Snapshot.of(resources, s.references)})
+        await reconnected(fe)
+        t0 = time.monotonic()
+
+        async def warmed() -> bool:
+            return (
+                await stat(fe, "cluster_manager.cds.update_success") > cds_before
+                and await stat(fe, "cluster_manager.warming_clusters") == 0
+            )
+
+        await eventually(warmed, within=5.0)  # not initial_fetch_timeout (15 s)
+        print(f"\ndelta reconnect: updated cluster warm {(time.monotonic() - t0) * 1000:.0f} ms")
+        assert "2.500s" in str(await fe.config_dump())
+
+        # 3. restarted with a changed configuration (backend quarantined while it was down):
         # each Envoy ends with the new configuration, and accepts it
         await child.kill()
         m.state, _ = quarantine(m.state, "backend", Trigger.OPERATOR, "test", NOW)
@@ -434,7 +460,6 @@ async def test_reconnect_to_a_restarted_control_plane_with_initial_versions(
         for envoy in envoys:
             await reconnected(envoy)
         await wait_for_status(session, m.url("frontend", "backend"), 503)
-        fe = m.envoys["frontend"]
         for prefix in UPDATE_STATS.values():
             assert await stat(fe, f"{prefix}.update_rejected") == 0
         assert await stat(fe, "cluster_manager.warming_clusters") == 0
