@@ -18,15 +18,23 @@ the other odd workloads form services svc-0..svc-6, each calling the next. Per N
 4. the first attestation of a newcomer (a caller, like half the mesh): CPU, against the same
    at N=100;
 5. issuance at 1 / 8 / 64 concurrent clients (full attestations through the API, round-robin
-   over the mesh), server CPU per attestation against the unavoidable crypto measured here,
-   and /healthz p99 under the 64-client load.
+   over 10 / 45 / 45 % of the mesh, a workload the server rate-limits leaving the rotation),
+   server CPU per attestation against the unavoidable crypto measured here, and /healthz p99
+   under the 64-client load; the ADS responses each attestation caused are noted by type.
+
+CPU is the control plane's process tree (worker processes included): per-thread run time from
+/proc/<pid>/task/*/schedstat (ns), or utime+stime from /proc/<pid>/stat when those differ by
+more than 20 ms (exited threads). Waits are capped (``--*-timeout``): a figure that did not
+complete in time prints TIMEOUT; a phase that errors prints ERROR with a note.
 
 Once per run: OpenBao PKI (raft storage, TLS, ``pki/sign/<role>`` with a CSR) at 8 and 64
 clients, for the issuance ratio.
 
 Run: ``python -m benchmarks.bench_scale --n 1000,10000`` (``--quick``: N=200, short phases;
 ``--json FILE`` writes every figure; ``--controlplane-cmd`` picks the executable under test,
-default the venv's ``attestmesh`` console script).
+default the venv's ``attestmesh`` console script, e.g. ``--controlplane-cmd "env
+PYTHONPATH=/tmp/old-tree .venv/bin/attestmesh"`` for another source tree; ``--xds-protocol
+sotw``; ``--cert-per-workload``). ``make bench`` runs it with ``BENCH_SCALE_ARGS``.
 """
 
 from __future__ import annotations
@@ -457,7 +465,8 @@ class MeshRun:
         samples = [o["closed_samples"] for o in synced if o["closed"]][:1]
         log(
             f"N={self.n}: {n_synced}/{len(streams)} streams configured in "
-            f"{time.monotonic() - t0:.1f} s ({n_closed} closed {samples})"
+            f"{time.monotonic() - t0:.1f} s ({n_closed} closed {samples}); responses by type: "
+            f"{await self.ads_stats()}"
         )
         await meter.settle(cap_s=self.s.phase_timeout)
         cpu1, rss1 = meter.sample(), meter.rss()
