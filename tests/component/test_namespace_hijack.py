@@ -170,8 +170,8 @@ async def test_a_look_alike_in_another_namespace_gets_no_share_of_web(
         await eventually(lambda: principals(snapshot_of(plane, EVIL)) == [SHOP_FRONT])
         assert principals(snapshot_of(plane, WORKLOAD)) == [SHOP_FRONT, SHOP_WEB]  # shop unchanged
 
-        # the attacker relabels, re-annotates and even names its Service after shop's pods'
-        # labels: still (evil, web), still nothing in the caller's "web"
+        # the attacker adds shop's other label and re-annotates naming shop explicitly: still
+        # (evil, web), still nothing in the caller's "web"
         renamed = evil_pod()
         renamed["metadata"]["labels"]["app.kubernetes.io/name"] = "web"
         renamed["metadata"]["annotations"]["attestmesh.dev/service"] = "web.shop"
@@ -183,7 +183,8 @@ async def test_a_look_alike_in_another_namespace_gets_no_share_of_web(
         assert pinned(snap, "out|web") == [SHOP_WEB]
         assert endpoints(snap, "out|web") == [(SHOP_IP, 15006)]
 
-        # evil's Service goes: its pod serves nothing at all, shop's "web" is untouched
+        # evil's Service goes: with only its annotation (the original attack) and labels left,
+        # its pod serves nothing at all; shop's "web" is untouched
         await kube.delete_object("services", "evil", "web")
         await eventually(lambda: cp.state.get(EVIL).registration.service == "")
         await eventually(lambda: endpoints(snapshot_of(plane, CALLER), "out|web.evil") == [])
@@ -191,14 +192,16 @@ async def test_a_look_alike_in_another_namespace_gets_no_share_of_web(
         assert pinned(snap, "out|web.evil") == [f"spiffe://{TD}/-/none"]
         assert pinned(snap, "out|web") == [SHOP_WEB]
         assert endpoints(snap, "out|web") == [(SHOP_IP, 15006)]
-        assert index.members == {("shop", "web"): {WORKLOAD}}
+        index = plane.running.publisher.index
+        assert index is not None and index.members == {("shop", "web"): {WORKLOAD}}
 
 
 async def test_a_service_in_another_namespace_selecting_shops_labels_names_no_shop_pod(
     kube: FakeKube, tmp_path: Path, sim_key: Path
 ) -> None:
-    """evil declares a Service named like shop's with shop's pods' labels (and a lower name
-    than shop's, which would win a lowest-name tie): it selects nothing outside evil."""
+    """evil adds a Service selecting shop's pods' labels whose name sorts before shop's
+    Service (it would win the lowest-name tie if namespaces were ignored): it selects nothing
+    outside evil, and evil's own pod moves to it."""
     await attack(kube)
     await kube.put_object("services", service("evil", "aaa", {"app": "web"}))
     async with control_plane(kube, tmp_path / "state", sim_key) as plane:
