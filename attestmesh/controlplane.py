@@ -23,6 +23,7 @@ from certs.ca import (
     CertificateAuthority,
     Issuer,
     build_leaf,
+    claims_class,
     encode_claims_extension,
     rotation_step,
 )
@@ -641,6 +642,7 @@ def _verify_and_sign(
         serial=serial,
         now=now,
         ttl=admitted.certificate_ttl,
+        claims_class=claims_class(admitted.claims.tee.value, admitted.claims.measurements),
     )
     return admitted, leaf, ca.chain_pem(leaf)
 

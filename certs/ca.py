@@ -33,9 +33,11 @@ prepared slot is the evidence) and never pairs a key with another intermediate's
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -61,6 +63,10 @@ INTERMEDIATE_LIFETIME = timedelta(days=365)
 PREVIOUS_RETENTION = MAX_TTL + BACKDATE
 # A prepared intermediate shorter than this (the root is about to expire) is not worth creating.
 MIN_INTERMEDIATE_LIFETIME = timedelta(days=30)
+# A leaf's Subject names the class of its admitted claims (see ``claims_class``).
+CLAIMS_CLASS_ORG = "attestmesh"
+CLAIMS_CLASS_PREFIX = "claims-"
+_CLAIMS_CLASS = re.compile(r"claims-[0-9a-f]{48}")
 NEXT_SLOT = "intermediate-next.json"
 PREVIOUS_SLOT = "intermediate-previous.json"
 _SLOT_MAX_BYTES = 64 * 1024
@@ -154,6 +160,20 @@ def spki_der(key: ec.EllipticCurvePublicKey) -> bytes:
     )
 
 
+def claims_class(tee: str, measurements: Mapping[str, str]) -> str:
+    """The class of a workload's admitted claims: ``claims-`` + 48 hex digits (192 bits) of a
+    SHA-256 over the canonical (tee, sorted measurements, values lowercase). Pure; the CA puts
+    it in each leaf's Subject (``OU``) and the xDS builder computes it from the claims on record,
+    so a ``whenClaims`` mesh rule can hold per certificate, not per service account. Equal
+    claims give an equal class: a renewal changes nothing Envoy authorizes on."""
+    canonical = json.dumps(
+        [tee, sorted((k, v.lower()) for k, v in measurements.items())],
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return CLAIMS_CLASS_PREFIX + hashlib.sha256(canonical.encode()).hexdigest()[:48]
+
+
 def build_leaf(
     csr: x509.CertificateSigningRequest,
     *,
@@ -163,15 +183,30 @@ def build_leaf(
     serial: int,
     now: datetime,
     ttl: timedelta,
+    claims_class: str | None = None,
 ) -> x509.Certificate:
-    """Sign a mesh leaf: SPIFFE URI SAN only, client+server auth, claims extension."""
+    """Sign a mesh leaf: SPIFFE URI SAN only, client+server auth, claims extension. With
+    ``claims_class`` the Subject is ``O=attestmesh, OU=<claims_class>`` (Envoy forwards it in
+    x-forwarded-client-cert, which claims-conditioned RBAC matches); without, it is empty."""
     not_before, not_after = leaf_validity(now, ttl, issuer.cert.not_valid_after_utc)
     key = csr.public_key()
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise CsrError("csr_key_type", "the CSR key must be ECDSA P-256")
+    if claims_class is not None and not _CLAIMS_CLASS.fullmatch(claims_class):
+        raise ValueError(f"not a claims class: {claims_class!r}")
+    subject = (
+        x509.Name([])
+        if claims_class is None
+        else x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, CLAIMS_CLASS_ORG),
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, claims_class),
+            ]
+        )
+    )
     builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([]))
+        .subject_name(subject)
         .issuer_name(issuer.cert.subject)
         .public_key(key)
         .serial_number(serial)

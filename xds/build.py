@@ -33,6 +33,7 @@ from types import MappingProxyType
 import betterproto2
 from pydantic.warnings import PydanticDeprecatedSince212
 
+from certs.ca import CLAIMS_CLASS_ORG
 from xds import pb
 from xds.index import Identity, MeshIndex, principal_of
 from xds.meshpolicy import HttpMatch, MeshPolicy, Permission, compile_permissions_for
@@ -93,6 +94,7 @@ with warnings.catch_warnings():
         Policy,
         Principal,
         PrincipalAuthenticated,
+        PrincipalSet,
         RbacAction,
     )
     from envoy_data_plane.envoy.config.rbac.v3 import Rbac as RbacRules
@@ -109,6 +111,8 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
         HttpConnectionManager,
+        HttpConnectionManagerForwardClientCertDetails,
+        HttpConnectionManagerSetCurrentClientCertDetails,
         HttpFilter,
         Rds,
     )
@@ -130,6 +134,7 @@ HCM = "envoy.filters.network.http_connection_manager"
 RBAC_FILTER = "envoy.filters.http.rbac"
 ROUTER_FILTER = "envoy.filters.http.router"
 TLS_SOCKET = "envoy.transport_sockets.tls"
+XFCC = "x-forwarded-client-cert"
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,12 +318,24 @@ def _hcm(
     http_filters: list[HttpFilter],
     rds: Rds | None = None,
     route_config: RouteConfiguration | None = None,
+    set_client_cert: bool = False,
 ) -> Filter:
+    # set_client_cert (the inbound HCM): x-forwarded-client-cert is replaced by the verified
+    # client certificate's Subject and URI SAN (whatever the caller sent is dropped) before any
+    # HTTP filter runs.
     manager = HttpConnectionManager(
         stat_prefix=stat_prefix,
         http_filters=[*http_filters, HttpFilter(name=ROUTER_FILTER, typed_config=_any(Router()))],
         rds=rds,
         route_config=route_config,
+        forward_client_cert_details=HttpConnectionManagerForwardClientCertDetails.SANITIZE_SET
+        if set_client_cert
+        else HttpConnectionManagerForwardClientCertDetails.SANITIZE,
+        set_current_client_cert_details=HttpConnectionManagerSetCurrentClientCertDetails(
+            subject=True, uri=True
+        )
+        if set_client_cert
+        else None,
     )
     return Filter(name=HCM, typed_config=_any(manager))
 
@@ -398,6 +415,7 @@ def build_inbound_listener(reg: Registration, trust_domain: str) -> Listener:
         INBOUND_LISTENER,
         [HttpFilter(name=RBAC_FILTER, typed_config=_any(deny_all))],
         rds=Rds(config_source=_ads(), route_config_name=INBOUND_ROUTE),
+        set_client_cert=True,  # claims-conditioned RBAC matches the caller's Subject in XFCC
     )
     return Listener(
         name=INBOUND_LISTENER,
@@ -464,17 +482,48 @@ def build_rbac_permission(match: HttpMatch) -> RbacPermission:
     return parts[0] if len(parts) == 1 else RbacPermission(and_rules=PermissionSet(rules=parts))
 
 
+def xfcc_subject_fragment(claims_class: str) -> str:
+    """What the x-forwarded-client-cert value the inbound HCM sets contains, and only then,
+    when the verified client certificate's Subject is exactly ``O=attestmesh,
+    OU=<claims_class>``. The HCM replaces the header (SANITIZE_SET, Subject and URI; Envoy
+    always adds By and Hash), e.g. ``By=<own id>;Hash=<hex>;Subject="OU=claims-<hex>,
+    O=attestmesh";URI=<caller id>``: Envoy prints the Subject in RFC 2253 order (last RDN
+    first), double-quoted. The fragment is delimited by ``;Subject="`` and ``";URI=``, so a
+    longer or shorter OU, extra RDNs or another class do not match; no other field can hold
+    a double quote (By and URI are SPIFFE IDs). A substring, not a regex: Envoy refuses RE2
+    programs over 100 instructions (``re2.max_program_size.error_level``) and this one was 112."""
+    return f';Subject="OU={claims_class},O={CLAIMS_CLASS_ORG}";URI='
+
+
+def build_rbac_principal(permission: Permission) -> Principal:
+    """The certificate ``permission`` admits: its SPIFFE ID (the URI SAN), and when it is
+    claims-conditioned, also a Subject naming one of its claims classes."""
+    identity = Principal(
+        authenticated=PrincipalAuthenticated(
+            principal_name=StringMatcher(exact=permission.principal)
+        )
+    )
+    if permission.claim_classes is None:
+        return identity
+    classes = [
+        Principal(
+            header=HeaderMatcher(
+                name=XFCC,
+                string_match=StringMatcher(contains=xfcc_subject_fragment(c)),
+            )
+        )
+        for c in sorted(permission.claim_classes)
+    ]
+    claims = classes[0] if len(classes) == 1 else Principal(or_ids=PrincipalSet(ids=classes))
+    return Principal(and_ids=PrincipalSet(ids=[identity, claims]))
+
+
 def build_rbac(permissions: Sequence[Permission]) -> RbacRules:
-    """ALLOW policies, one per principal; no permission at all denies everyone."""
+    """ALLOW policies, one per permission (a principal, perhaps limited to claims classes); no
+    permission at all denies everyone."""
     policies = {
         f"{i:04d}|{p.principal}": Policy(
-            principals=[
-                Principal(
-                    authenticated=PrincipalAuthenticated(
-                        principal_name=StringMatcher(exact=p.principal)
-                    )
-                )
-            ],
+            principals=[build_rbac_principal(p)],
             permissions=[build_rbac_permission(m) for m in p.to] or [RbacPermission(any=True)],
         )
         for i, p in enumerate(permissions)

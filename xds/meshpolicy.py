@@ -4,6 +4,12 @@ The local policy file and the Kubernetes ``MeshPolicy`` custom resource share th
 ``compile_permissions`` resolves claims-based rules against the current mesh state into the
 concrete SPIFFE principals an Envoy RBAC filter can match; quarantined or unattested callers
 never appear in the result.
+
+A SPIFFE ID names a service account, and pods of one account may run different code, so a
+``whenClaims`` rule cannot be granted to the principal as a whole: it is granted to the
+principal holding a certificate of a given claims class (``certs.ca.claims_class``, the Subject
+``OU`` the CA writes into each leaf), one class per attested caller whose own claims satisfy
+the rule. A rule without ``whenClaims`` grants the principal whatever certificate it holds.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from certs.ca import claims_class
 from certs.errors import PolicyError
 from certs.evidence.claims import Tee
 from certs.policy import API_VERSION
@@ -78,10 +85,14 @@ class MeshPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Permission:
-    """One caller principal and what it may reach (empty ``to`` = everything)."""
+    """One caller principal and what it may reach (empty ``to`` = everything).
+
+    ``claim_classes`` None: any certificate of the principal; otherwise only a certificate whose
+    claims class (``certs.ca.claims_class``, in its Subject) is one of them (never empty)."""
 
     principal: str
     to: tuple[HttpMatch, ...] = field(default_factory=tuple)
+    claim_classes: frozenset[str] | None = None
 
 
 def source_principal(source: Source, trust_domain: str) -> tuple[str, str] | None:
@@ -102,12 +113,19 @@ def compile_permissions_for(
     trust_domain: str,
     attested_with: CallerLookup,
 ) -> tuple[Permission, ...]:
-    """Principals allowed to call workloads of ``destination`` (namespace, service account) now,
-    sorted and de-duplicated; callers are looked up by the identities the rules name, so the
-    cost follows the rules, not the size of the mesh. Enforce-mode policies only; callers must
-    be attested (not pending, not quarantined)."""
+    """Who may call workloads of ``destination`` (namespace, service account) now, sorted
+    (principal, unconditional first, classes) and merged; callers are looked up by the
+    identities the rules name, so the cost follows the rules, not the size of the mesh.
+    Enforce-mode policies only; callers must be attested (not pending, not quarantined).
+
+    A rule without ``whenClaims`` allows its principals with any certificate; a rule with it
+    allows, per principal, only the claims classes of attested callers whose own claims satisfy
+    it. What a (principal, class) may reach is the union of its rules' ``to`` (empty =
+    everything); a class entry that adds nothing to the principal's unconditional one is
+    dropped, and classes reaching the same ``to`` share one permission."""
     ns, sa = destination
-    out: dict[str, tuple[HttpMatch, ...]] = {}
+    # principal -> class (None: unconditional) -> what it may reach (() = everything)
+    out: dict[str, dict[str | None, tuple[HttpMatch, ...]]] = {}
     for policy in policies:
         if policy.audit or policy.namespace != ns or policy.destination_service_account != sa:
             continue
@@ -117,14 +135,43 @@ def compile_permissions_for(
                 if principal is None:
                     continue
                 for caller in attested_with(principal):
-                    if rule.when_claims is not None and not rule.when_claims.matches(caller):
-                        continue
-                    name = caller.registration.spiffe_id(trust_domain)
-                    if name in out and (not out[name] or not rule.to):
-                        out[name] = ()
-                    else:
-                        out[name] = tuple(dict.fromkeys(out.get(name, ()) + rule.to))
-    return tuple(Permission(p, out[p]) for p in sorted(out))
+                    key: str | None = None
+                    if rule.when_claims is not None:
+                        rec = caller.attestation
+                        if rec is None or not rule.when_claims.matches(caller):
+                            continue
+                        key = claims_class(rec.tee, rec.measurements)
+                    per = out.setdefault(caller.registration.spiffe_id(trust_domain), {})
+                    per[key] = _merge_to(per.get(key), rule.to)
+    return tuple(p for name in sorted(out) for p in _permissions(name, out[name]))
+
+
+def _merge_to(
+    current: tuple[HttpMatch, ...] | None, more: tuple[HttpMatch, ...]
+) -> tuple[HttpMatch, ...]:
+    if current is None:
+        return more
+    if not current or not more:
+        return ()
+    return tuple(dict.fromkeys(current + more))
+
+
+def _permissions(
+    principal: str, per_class: dict[str | None, tuple[HttpMatch, ...]]
+) -> list[Permission]:
+    anyone = per_class.get(None)
+    out: list[Permission] = [] if anyone is None else [Permission(principal, anyone)]
+    if anyone == ():
+        return out  # unconditional and unrestricted: no class can add anything
+    by_to: dict[tuple[HttpMatch, ...], set[str]] = {}
+    for cls, to in per_class.items():
+        if cls is None:
+            continue
+        if anyone is not None and to and set(to) <= set(anyone):
+            continue
+        by_to.setdefault(to, set()).add(cls)
+    conditional = [Permission(principal, to, frozenset(c)) for to, c in by_to.items()]
+    return out + sorted(conditional, key=lambda p: sorted(p.claim_classes or ()))
 
 
 def compile_permissions(

@@ -4,6 +4,7 @@ from typing import Any
 
 import pytest
 
+from certs.ca import claims_class
 from certs.errors import PolicyError
 from certs.policy import API_VERSION
 from tests.unit.fixtures_core import NOW, TRUST_DOMAIN, record, registration
@@ -240,12 +241,15 @@ def test_claims_conditions_filter_callers() -> None:
         {"serviceAccount": "web"},
         {"serviceAccount": "batch", "namespace": "jobs"},
     ]
+    # a claims rule admits the principal only with a certificate of the matching caller's class
     only_snp = _doc(rules=[{"from": everyone, "whenClaims": {"tees": ["sev-snp"]}}])
-    assert _compile(only_snp) == (Permission(_id("jobs", "batch")),)
+    snp_class = claims_class("sev-snp", {"measurement": SNP})
+    assert _compile(only_snp) == (Permission(_id("jobs", "batch"), (), frozenset({snp_class})),)
     by_measurement = _doc(
         rules=[{"from": everyone, "whenClaims": {"measurements": {"measurement": ["AA" * 48]}}}]
     )
-    assert _compile(by_measurement) == (Permission(_id("shop", "web")),)
+    sim_class = claims_class("sim", {"measurement": "aa" * 48})
+    assert _compile(by_measurement) == (Permission(_id("shop", "web"), (), frozenset({sim_class})),)
     nobody = _doc(
         rules=[
             {
