@@ -21,8 +21,13 @@ Delta (``DeltaAggregatedResources``), per stream and type:
 
 - Subscriptions: ``*`` (or, for CDS/LDS, an empty first request) is the wildcard; other names
   are explicit. A name subscribed again is answered again whatever the server believes the
-  client holds (Envoy re-subscribes a cluster's EDS name when CDS changes that cluster, and the
-  new cluster warms only on a response). Unsubscribing needs no answer.
+  client holds (the protocol says the client may have forgotten it). Unsubscribing needs no
+  answer. A new wildcard is answered even when empty (Envoy waits for it to initialise).
+- An updated EDS cluster warms only on an EDS response, and Envoy 1.40 on delta does not ask
+  for it again (the name stays subscribed; a silent server leaves the cluster warming and the
+  CDS ACK held for ``initial_fetch_timeout``): after a CDS response the EDS resources of the
+  clusters it updated are sent unasked, also when (on a new stream) the CDS answer went out
+  before the EDS request stating the version the client holds.
 - The server keeps, per name, the version it last gave the client (``initial_resource_versions``
   on a new stream) and sends only resources whose version differs, plus ``removed_resources``
   for names the client holds that no longer exist (and for subscribed names that do not exist).
