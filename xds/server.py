@@ -228,7 +228,6 @@ class _DeltaSent:
     # what the response did, to undo on a NACK: (name, version before, version after; None =
     # not held)
     changes: tuple[tuple[str, str | None, str | None], ...] = ()
-    answered: bool = False
 
 
 @dataclass(slots=True)
@@ -238,7 +237,7 @@ class _DeltaType:
     # name -> version last given to the client (or reported by it on a new stream)
     have: dict[str, str] = field(default_factory=dict)
     due: set[str] = field(default_factory=set)  # answer about these whatever their version
-    rejected: dict[str, str] = field(default_factory=dict)  # name -> version the client NACKed
+    rejected: dict[str, str] | None = None  # name -> version the client NACKed
     answer: bool = False  # answer the next diff even if it is empty (a new wildcard)
     seen: Mapping[str, bytes] | None = None  # the snapshot mapping last diffed, and its version
     seen_version: str = ""
@@ -262,7 +261,7 @@ class DeltaSession:
         self._types: dict[TypeUrl, _DeltaType] = {}
         # clusters CDS updated before EDS was subscribed on this stream (a reconnect: the EDS
         # request, carrying versions the client holds, may come after the CDS answer)
-        self._clusters_before_eds: set[str] = set()
+        self._clusters_before_eds: set[str] | None = None
         self._nonce = 0
         self.nacks: list[tuple[TypeUrl, str]] = []  # (type, Envoy's message), newest last
 
@@ -274,9 +273,8 @@ class DeltaSession:
             return
         st = self._types.get(type_url)
         if req.response_nonce and st is not None:
-            sent = st.sent.get(req.response_nonce)
-            if sent is not None and not sent.answered:
-                sent.answered = True
+            sent = st.sent.pop(req.response_nonce, None)  # answered once: then forgotten
+            if sent is not None:
                 self._classify(type_url, st, req, sent)
         subscribe, unsubscribe = req.resource_names_subscribe, req.resource_names_unsubscribe
         if st is None:
@@ -299,7 +297,7 @@ class DeltaSession:
             }
             if type_url is TypeUrl.ENDPOINT and self._clusters_before_eds:
                 st.due |= self._clusters_before_eds & (st.have.keys() | st.names)
-                self._clusters_before_eds = set()
+                self._clusters_before_eds = None
             subscribe = []
         for name in subscribe:
             if name == "*":
@@ -314,7 +312,8 @@ class DeltaSession:
                 continue
             st.names.discard(name)
             st.due.discard(name)
-            st.rejected.pop(name, None)
+            if st.rejected:
+                st.rejected.pop(name, None)
             if st.wildcard:
                 st.due.add(name)  # still in the wildcard or not: the client must be told
             else:
@@ -334,6 +333,8 @@ class DeltaSession:
                 else:
                     st.have[name] = before
                 if after is not None:
+                    if st.rejected is None:
+                        st.rejected = {}
                     st.rejected[name] = after
             message = req.error_detail.message
             self._metrics.xds_nacks.labels(type_url.short).inc()
@@ -387,6 +388,8 @@ class DeltaSession:
         # (The cluster's EDS name is its own name: build sets no eds service_name.)
         eds = self._types.get(TypeUrl.ENDPOINT)
         if eds is None:
+            if self._clusters_before_eds is None:
+                self._clusters_before_eds = set()
             self._clusters_before_eds.update(name for name, _, _ in clusters)
             return
         for name, _, _ in clusters:
