@@ -243,8 +243,9 @@ def registration_from_pod(
     """An injected, running pod with an IP -> its Registration; anything else -> None.
 
     Its mesh service is (its namespace, the Service in its namespace selecting it); a pod no
-    Service selects serves no mesh service (it may still call others). It is not ready when listed in ``not_ready`` (from EndpointSlices). Its
-    ``pod_uid`` is the pod's ``metadata.uid``: agents' tokens must be bound to that very pod."""
+    Service selects serves no mesh service (it may still call others). It is not ready when
+    listed in ``not_ready`` (from EndpointSlices). Its ``pod_uid`` is the pod's
+    ``metadata.uid``: agents' tokens must be bound to that very pod."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -976,7 +977,7 @@ class KubeSource:
     ``pods`` holds the registrations announced; ``services`` (namespace -> name -> selector)
     and ``not_ready`` (from EndpointSlices) are what they were derived with. Pods are first
     listed once Services and EndpointSlices are, so no registration is announced with a
-    fallback service name only to be corrected a moment later."""
+    service name only to be corrected a moment later."""
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ touches every node, but the secret or route tables are still built once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from xds.build import (
     BuildSettings,
@@ -37,8 +37,19 @@ log = logging.getLogger(__name__)
 class XdsPublisher:
     """Announces persisted state as per-node xDS snapshots, rebuilding only what changed."""
 
-    def __init__(self, cache: SnapshotCache, settings: BuildSettings | None = None) -> None:
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        settings: BuildSettings | None = None,
+        defer: Callable[[Callable[[], None]], object] | None = None,
+    ) -> None:
+        """``defer(fn)`` runs ``fn`` a little later (e.g. ``loop.call_later``): the fan-out of
+        CRL changes to nodes that do not need them at once is coalesced through it. None:
+        every change reaches every node at once."""
         self._cache = cache
+        self._defer = defer
+        self._fanout_pending = False
+        self.fanned_out = 0
         self._settings = settings or BuildSettings()
         self._packer = Packer()
         self._state: MeshState | None = None
@@ -108,14 +119,21 @@ class XdsPublisher:
         # Nodes whose own configuration changed are rebuilt; the others that depend on what
         # changed get the new shared resources patched into the snapshot they hold.
         self._cache.invalidate(nodes)
-        if trust_changed or policies_changed:
+        # A new CRL goes at once to the nodes whose rules admit an identity that just changed
+        # (they could accept its revoked certificate); every other node denies it by RBAC
+        # anyway and gets the CRL with the next coalesced fan-out (``defer``).
+        everyone = trust_changed and self._defer is None
+        if everyone or policies_changed:
             patch_nodes: Iterable[str] = [n for n in self._cache.held() if n not in nodes]
         else:
             patch_nodes = (index.callers_of(services) | index.holders_of(destinations)) - nodes
+        urgent = index.holders_of(destinations) if trust_changed else set()
         self.rebuilt_nodes = len(nodes)
         self.patched_nodes = 0
         secret = shared.trust_secret() if trust_changed else None
         all_routes = policies_changed
+        if trust_changed and not everyone:
+            self._schedule_trust_fanout()
 
         def patch(node: str, snapshot: Snapshot) -> Snapshot:
             w = index.get(node)
@@ -138,13 +156,36 @@ class XdsPublisher:
                 principal = principal_of(reg)
                 if all_routes or principal in destinations:
                     changes[TypeUrl.ROUTE] = {INBOUND_ROUTE: shared.inbound_routes(principal)}
-            if secret is not None:
+            if secret is not None and (everyone or node in urgent):
                 changes[TypeUrl.SECRET] = {MESH_TRUST: secret}
             new = snapshot.patched(changes) if changes else snapshot
             self.patched_nodes += new is not snapshot
             return new
 
         self._cache.update(patch_nodes, patch)
+
+    def _schedule_trust_fanout(self) -> None:
+        if self._defer is not None and not self._fanout_pending:
+            self._fanout_pending = True
+            self._defer(self.flush_trust)
+
+    def flush_trust(self) -> None:
+        """Patch the current trust secret into every held snapshot (the coalesced fan-out of
+        CRL changes: many revocations in a burst cost every stream one push)."""
+        self._fanout_pending = False
+        shared = self._shared
+        if shared is None:
+            return
+        secret = shared.trust_secret()
+        changes = {TypeUrl.SECRET: {MESH_TRUST: secret}}
+        self.fanned_out = 0
+
+        def patch(node: str, snapshot: Snapshot) -> Snapshot:
+            new = snapshot.patched(changes)
+            self.fanned_out += new is not snapshot
+            return new
+
+        self._cache.update(list(self._cache.held()), patch)
 
     def _reset(
         self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial

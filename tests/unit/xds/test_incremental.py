@@ -9,6 +9,7 @@ what ``build_snapshots`` makes from the same state from scratch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -135,14 +136,19 @@ def apply(state: MeshState, step: tuple, serial: int) -> tuple[MeshState, set[st
     steps=st.lists(step_st, min_size=1, max_size=25),
     watched=st.sets(st.sampled_from(NAMES)),
     tell=st.lists(st.booleans(), min_size=25, max_size=25),
+    deferred=st.booleans(),
 )
 def test_incremental_equals_full_rebuild(
-    steps: list[tuple],
+    steps: list[tuple],  # type: ignore[type-arg]
     watched: set[str],
-    tell: list[bool],  # type: ignore[type-arg]
+    tell: list[bool],
+    deferred: bool,
 ) -> None:
+    """(With ``deferred``, the CRL fan-out to nodes that do not need it at once is queued and
+    run before comparing, as the event loop runs it a moment later.)"""
     cache = SnapshotCache()
-    pub = XdsPublisher(cache)
+    later: list[Callable[[], None]] = []
+    pub = XdsPublisher(cache, defer=later.append if deferred else None)
     state = MeshState(TD)
     policies: list[MeshPolicy] = []
     trust = TRUST
@@ -160,6 +166,8 @@ def test_incremental_equals_full_rebuild(
             else:
                 state, changed = apply(state, step, 100 + i)
             pub.publish(state, policies, trust, changed if tell[i] else None)
+            while later:
+                later.pop()()
             full = build_snapshots(state, policies, trust)
             for node, expected in full.items():
                 got = cache.get(node)
@@ -205,3 +213,45 @@ def test_a_quarantine_rebuilds_only_the_callers_of_its_service() -> None:
     t2 = TrustMaterial(TRUST.bundle_pem, b"crl2")
     pub.publish(q2, [], t2, changed=())
     assert (pub.rebuilt_nodes, pub.patched_nodes) == (0, held)  # the CRL reaches everyone
+
+
+def test_a_crl_change_reaches_at_once_only_the_nodes_that_admit_the_changed_identity() -> None:
+    cache = SnapshotCache()
+    later: list[Callable[[], None]] = []
+    pub = XdsPublisher(cache, defer=later.append)
+    state = MeshState(TD)
+    for i in range(6):
+        reg = Registration(f"n{i}", "default", f"sa{i}", f"s{i}", Endpoint("127.0.0.1", 15000 + i),
+                           8080)  # fmt: skip
+        state, _ = register(state, reg, NOW)
+        state, _ = record_attestation(
+            state, reg.name, AttestationRecord("sim", {}, "p", "0", NOW),
+            IssuedCert(i, NOW + timedelta(hours=1)), NOW + timedelta(hours=1), NOW,
+        )  # fmt: skip
+    # n1's rules admit sa0: n1 could accept n0's revoked certificate
+    admits = MeshPolicy("p", "default", "sa1",
+                        (Rule((Source(namespace="default", service_account="sa0"),)),))  # fmt: skip
+    pub.publish(state, [admits], TRUST)
+    held = {f"n{i}": cache.get(f"n{i}") for i in range(6)}
+    q, _ = quarantine(state, "n0", Trigger.OPERATOR, "x", NOW)
+    crl = TrustMaterial(TRUST.bundle_pem, b"crl-with-n0")
+    pub.publish(q, [admits], crl, changed={"n0"})
+    secret = cache.get("n1").get(TypeUrl.SECRET)  # type: ignore[union-attr]
+    assert secret != held["n1"].get(TypeUrl.SECRET)  # type: ignore[union-attr]
+    for other in ("n2", "n3", "n4", "n5"):  # deny sa0 anyway: the CRL comes with the fan-out
+        assert cache.get(other) is held[other]
+    assert len(later) == 1
+    q2, _ = quarantine(q, "n2", Trigger.OPERATOR, "x", NOW)
+    pub.publish(q2, [admits], TrustMaterial(TRUST.bundle_pem, b"crl-2"), changed={"n2"})
+    assert len(later) == 1  # coalesced: one fan-out for both
+    later.pop()()
+    # n0 and n2 were rebuilt (with the current secret, when next asked for); the four others
+    # held snapshots get crl-2 now, n1 for the second time
+    assert pub.fanned_out == 4
+    for i in range(1, 6):
+        snap = cache.get(f"n{i}")
+        assert snap is not None and dict(snap.get(TypeUrl.SECRET)) == dict(
+            build_snapshots(q2, [admits], TrustMaterial(TRUST.bundle_pem, b"crl-2"))[f"n{i}"].get(
+                TypeUrl.SECRET
+            )
+        )
