@@ -644,7 +644,7 @@ def _verify_and_sign(
         ttl=admitted.certificate_ttl,
         claims_class=claims_class(admitted.claims.tee.value, admitted.claims.measurements),
     )
-    return admitted, leaf, ca.chain_pem(leaf)
+    return admitted, leaf, ca.chain_pem(leaf, ca.intermediate)  # it signed the leaf just now
 
 
 class AttestationLimiter:
