@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import hmac
 import logging
 import time
@@ -60,7 +61,6 @@ from xds.state import (
     Trigger,
     WorkloadState,
     ensure_may_issue,
-    overdue,
     prune_revocations,
     quarantine,
     record_attestation,
@@ -204,6 +204,12 @@ class ControlPlane:
         self._pending: _Announcement | None = None
         self._pruned_at: datetime | None = None
         self._quarantined = sum(w.status is Status.QUARANTINED for w in state.workloads.values())
+        self._due: list[tuple[datetime, str]] = [
+            (w.next_attestation_due, n)
+            for n, w in state.workloads.items()
+            if w.status is Status.ATTESTED and w.next_attestation_due is not None
+        ]
+        heapq.heapify(self._due)
         self._trust = self._build_trust(clock())
         self._update_gauges()
         self._announced = state
@@ -262,6 +268,8 @@ class ControlPlane:
                 before is not None and before.status is Status.QUARANTINED
             )
         self._state = new
+        for name in changed:
+            self._track_deadline(name)
         if added:
             self._trust = self._build_trust(self._clock())
         self._metrics.quarantined.set(self._quarantined)
@@ -521,7 +529,7 @@ class ControlPlane:
         """Quarantine attested workloads that missed their re-attestation deadline; rotate the
         intermediate CA when its predicates say so; refresh the CRLs before they go stale."""
         now = self._clock()
-        late = overdue(self._state, now)
+        late = self._overdue(now)
         self._quarantine_all(
             [
                 (name, Trigger.DEADLINE_MISSED, "re-attestation deadline missed",
@@ -537,6 +545,24 @@ class ControlPlane:
             self._update_gauges()
             self._republish()
         return late
+
+    def _overdue(self, now: datetime) -> list[str]:
+        """Attested workloads whose re-attestation deadline has passed, from a heap of
+        deadlines (O(late x log N) per tick, not a scan of the mesh). Entries superseded by a
+        later attestation, a quarantine or a release are dropped as they surface."""
+        late: set[str] = set()
+        heap = self._due
+        while heap and heap[0][0] <= now:
+            due, name = heapq.heappop(heap)
+            w = self._state.workloads.get(name)
+            if w is not None and w.status is Status.ATTESTED and w.next_attestation_due == due:
+                late.add(name)
+        return sorted(late)
+
+    def _track_deadline(self, name: str) -> None:
+        w = self._state.workloads.get(name)
+        if w is not None and w.status is Status.ATTESTED and w.next_attestation_due is not None:
+            heapq.heappush(self._due, (w.next_attestation_due, name))
 
     def _prune_revocations(self, now: datetime) -> bool:
         """Drop CRL entries of certificates that expired anyway (at most once a minute); True

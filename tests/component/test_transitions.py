@@ -28,6 +28,7 @@ from tests.unit.fixtures_core import (
     csr_pem,
     make_control_plane,
     new_key,
+    policy_doc,
     registration,
     spki,
 )
@@ -226,3 +227,28 @@ async def test_a_client_that_went_away_gets_its_issuance_taken_back(
         assert reopened.load("x").workloads["web-1"].status is Status.PENDING
     finally:
         reopened.close()
+
+
+async def test_deadlines_follow_the_latest_attestation(tmp_path: Path) -> None:
+    """Deadlines come from a heap, not a scan: a renewal moves the deadline (the old entry
+    is dropped when it surfaces), a release or quarantine removes it, a restart rebuilds it."""
+    clock = Clock(NOW)
+    regs = [registration("web-1"), registration("web-2", port=15002)]
+    plane = make_control_plane(tmp_path, clock=clock, platform_key=PLATFORM, registrations=regs,
+                               policies=[policy_doc(reattestationInterval="5m")])  # fmt: skip
+    await plane.cp.attest(request(plane.cp, "web-1"), None)
+    await plane.cp.attest(request(plane.cp, "web-2"), None)
+    clock.advance(minutes=3)
+    await plane.cp.attest(request(plane.cp, "web-1"), None)  # due now at 8 min
+    assert plane.cp.quarantine("web-2", Trigger.OPERATOR, "x")
+    assert plane.cp.release("web-2")  # pending: no deadline
+    clock.advance(minutes=3)  # 6 min: web-1's first deadline passed, its current one not
+    assert plane.cp.check_deadlines() == []
+    plane.store.close()
+    plane = make_control_plane(tmp_path, clock=clock, platform_key=PLATFORM,
+                               policies=[policy_doc(reattestationInterval="5m")])  # fmt: skip
+    assert plane.cp.check_deadlines() == []
+    clock.advance(minutes=3)  # 9 min
+    assert plane.cp.check_deadlines() == ["web-1"]
+    assert plane.cp.status_of("web-1") is Status.QUARANTINED
+    assert plane.cp.status_of("web-2") is Status.PENDING
