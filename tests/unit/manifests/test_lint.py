@@ -104,6 +104,7 @@ def test_correct_nitro_setup_has_no_findings() -> None:
         "NodeOverlay",
         "ServiceAccount",
         "Deployment",
+        "Service",
         "DaemonSet",
     }
     assert lint(objs) == []
@@ -275,7 +276,7 @@ def test_cli_reads_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
     out = io.StringIO()
     assert run(_args("-"), stdout=out) == 0
-    assert "6 objects" in out.getvalue()
+    assert "7 objects" in out.getvalue()
 
 
 def test_cli_exit_2_on_missing_path_or_bad_yaml(
