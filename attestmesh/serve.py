@@ -53,8 +53,8 @@ from xds.meshpolicy import parse_mesh_policies
 from xds.pb import install_validator_cache
 from xds.publisher import XdsPublisher
 from xds.registrations import parse_registrations
-from xds.server import AdsServer, warm
-from xds.state import Registration, Trigger
+from xds.server import AdsServer, PeerIdentity, warm
+from xds.state import MeshState, Registration, Status, Trigger
 from xds.store import GroupCommitStore, SqliteStore
 
 log = logging.getLogger(__name__)
@@ -171,12 +171,22 @@ def _xds_tls(ca: CertificateAuthority) -> ssl.SSLContext:
     return ctx
 
 
-def authorize_node(cp: ControlPlane) -> Callable[[str, tuple[str, ...]], bool]:
-    """An Envoy may fetch only its own workload's configuration."""
+def node_may_fetch(state: MeshState, node: str, peer: PeerIdentity) -> bool:
+    """An Envoy may fetch only its own workload's configuration, with a certificate issued to
+    that very workload and still live: not a sibling's of the same service account, not one
+    revoked by a quarantine, superseded or withdrawn (the workload's live serials are the
+    CRL's complement for its own certificates)."""
+    w = state.workloads.get(node)
+    if w is None or w.status is not Status.ATTESTED:
+        return False
+    if w.registration.spiffe_id(state.trust_domain) not in peer.uris:
+        return False
+    return any(c.serial == peer.serial for c in w.certificates)
 
-    def authorize(node: str, uris: tuple[str, ...]) -> bool:
-        w = cp.state.workloads.get(node)
-        return w is not None and w.registration.spiffe_id(cp.state.trust_domain) in uris
+
+def authorize_node(cp: ControlPlane) -> Callable[[str, PeerIdentity], bool]:
+    def authorize(node: str, peer: PeerIdentity) -> bool:
+        return node_may_fetch(cp.state, node, peer)
 
     return authorize
 

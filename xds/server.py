@@ -480,11 +480,11 @@ class AdsServer:
         authorize = self._authorize
         if authorize is None:
             return _node_id
-        uris = peer_uri_sans(stream.peer.cert())
+        peer = peer_identity(stream.peer.cert())
 
         def node_key(first: _Request) -> str:
             node = _node_id(first)
-            if not authorize(node, uris):
+            if not authorize(node, peer):
                 raise GRPCError(
                     grpclib.const.Status.PERMISSION_DENIED,
                     f"the client certificate does not identify node {node!r}",
@@ -508,8 +508,16 @@ class AdsServer:
         )
 
 
-Authorize = Callable[[str, tuple[str, ...]], bool]
-"""May the client whose certificate carries these URI SANs fetch node ``node``'s config?"""
+@dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """What the verified client certificate of a stream says: its URI SANs and serial."""
+
+    uris: tuple[str, ...]
+    serial: int | None
+
+
+Authorize = Callable[[str, PeerIdentity], bool]
+"""May the client with this certificate fetch node ``node``'s config?"""
 
 _Request = DiscoveryRequest | DeltaDiscoveryRequest
 _Req = TypeVar("_Req", DiscoveryRequest, DeltaDiscoveryRequest)
@@ -520,6 +528,16 @@ def peer_uri_sans(cert: Mapping[str, Any] | None) -> tuple[str, ...]:
     if not cert:
         return ()
     return tuple(v for k, v in cert.get("subjectAltName", ()) if k == "URI")
+
+
+def peer_identity(cert: Mapping[str, Any] | None) -> PeerIdentity:
+    """``ssl.SSLSocket.getpeercert()`` -> the URI SANs and serial number of the certificate."""
+    serial_hex = (cert or {}).get("serialNumber")
+    try:
+        serial = int(serial_hex, 16) if isinstance(serial_hex, str) else None
+    except ValueError:
+        serial = None
+    return PeerIdentity(peer_uri_sans(cert), serial)
 
 
 def _node_id(first: _Request) -> str:
@@ -667,8 +685,10 @@ __all__ = [
     "AdsSession",
     "Authorize",
     "DeltaSession",
+    "PeerIdentity",
     "ResourceVersions",
     "VersionOf",
+    "peer_identity",
     "peer_uri_sans",
     "serve_delta_stream",
     "serve_sotw_stream",

@@ -27,7 +27,7 @@ from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
 from xds.build import Packer, build_snapshots
 from xds.cache import SnapshotCache
 from xds.resources import ADS_SERVICE, TypeUrl
-from xds.server import AdsServer, warm
+from xds.server import AdsServer, PeerIdentity, warm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
@@ -78,9 +78,9 @@ async def ads_server(tmp: Path) -> AsyncIterator[tuple[int, CertificateAuthority
         build_snapshots(state, [allow("backend", "frontend")], TRUST, packer=Packer())
     )
 
-    def authorize(node: str, uris: tuple[str, ...]) -> bool:
+    def authorize(node: str, peer: PeerIdentity) -> bool:
         w = state.workloads.get(node)
-        return w is not None and w.registration.spiffe_id(TD) in uris
+        return w is not None and w.registration.spiffe_id(TD) in peer.uris
 
     server = Server([AdsServer(cache, authorize=authorize)])
     await server.start("127.0.0.1", 0, ssl=ctx)
