@@ -34,7 +34,7 @@ Run: ``python -m benchmarks.bench_scale --n 1000,10000`` (``--quick``: N=200, sh
 ``--json FILE`` writes every figure; ``--controlplane-cmd`` picks the executable under test,
 default the venv's ``attestmesh`` console script, e.g. ``--controlplane-cmd "env
 PYTHONPATH=/tmp/old-tree .venv/bin/attestmesh"`` for another source tree; ``--xds-protocol
-sotw``; ``--cert-per-workload``). ``make bench`` runs it with ``BENCH_SCALE_ARGS``.
+sotw``; ``--cert-per-service-account``). ``make bench`` runs it with ``BENCH_SCALE_ARGS``.
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ class Settings:
     quarantine_timeout: float
     first_attest_timeout: float
     attest_concurrency: int
-    cert_per_workload: bool = False  # False: one certificate per service account
+    cert_per_workload: bool = True  # False: one certificate per service account
 
 
 def log(msg: str) -> None:
@@ -839,11 +839,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quarantine-timeout", type=float, default=300)
     p.add_argument("--first-attest-timeout", type=float, default=300)
     p.add_argument(
-        "--cert-per-workload",
-        action="store_true",
-        help="each stream presents its own workload's certificate (default: one per service "
-        "account, which the control plane accepts for every node of that account)",
+        "--cert-per-service-account",
+        dest="cert_per_workload",
+        action="store_false",
+        help="streams of one service account share one certificate (for control planes that "
+        "authorize xDS per service account; this one requires each node's own live "
+        "certificate, so by default each stream presents its own workload's)",
     )
+    p.add_argument("--cert-per-workload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")
     p.add_argument("--json", type=Path, help="write every figure here")
