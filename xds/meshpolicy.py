@@ -143,6 +143,8 @@ def compile_permissions_for(
                         key = claims_class(rec.tee, rec.measurements)
                     per = out.setdefault(caller.registration.spiffe_id(trust_domain), {})
                     per[key] = _merge_to(per.get(key), rule.to)
+                    if rule.when_claims is None:
+                        break  # every holder of the identity says the same: one is enough
     return tuple(p for name in sorted(out) for p in _permissions(name, out[name]))
 
 
