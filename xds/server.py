@@ -485,6 +485,10 @@ class AdsServer:
         def node_key(first: _Request) -> str:
             node = _node_id(first)
             if not authorize(node, peer):
+                # The connection's certificate decides every stream on it: close it soon after
+                # the refusal, so a client that has a fresh certificate meanwhile (Envoy's SDS
+                # does not drain connections) reconnects with it instead of retrying on this one.
+                _close_soon(stream)
                 raise GRPCError(
                     grpclib.const.Status.PERMISSION_DENIED,
                     f"the client certificate does not identify node {node!r}",
@@ -528,6 +532,16 @@ def peer_uri_sans(cert: Mapping[str, Any] | None) -> tuple[str, ...]:
     if not cert:
         return ()
     return tuple(v for k, v in cert.get("subjectAltName", ()) if k == "URI")
+
+
+REFUSED_CONNECTION_CLOSE_S = 0.2
+
+
+def _close_soon(stream: grpclib.server.Stream[Any, Any]) -> None:
+    transport = getattr(stream.peer, "_transport", None)  # grpclib 0.4.9 Peer
+    close = getattr(transport, "close", None)
+    if callable(close):
+        asyncio.get_running_loop().call_later(REFUSED_CONNECTION_CLOSE_S, close)
 
 
 def peer_identity(cert: Mapping[str, Any] | None) -> PeerIdentity:

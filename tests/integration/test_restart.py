@@ -200,4 +200,6 @@ async def test_kill_restart_keeps_traffic_quarantine_and_ca(tmp_path: Path) -> N
         assert (await call(session, fe_to_be))[0] != 200  # released is not yet attested
         agents["backend"].current = None  # after release the agent attests afresh
         await agents["backend"].attest_once(session)
+        # The backend's Envoy was refused xDS while its certificate was revoked; the control
+        # plane closes a refused connection, so Envoy reconnects with its fresh certificate.
         await eventually(fe_ok)
