@@ -216,19 +216,46 @@ class Snapshot:
         return not self.missing()
 
 
-_RESOURCE_VERSIONS: dict[bytes, str] = {}
-_RESOURCE_VERSIONS_LIMIT = 200_000
+class ResourceVersions:
+    """Version of a packed resource: a content hash, memoized by the bytes object.
+
+    Resources are shared between nodes and streams, so each distinct bytes object is hashed
+    once, however many streams send it. The memo is keyed by the bytes themselves: CPython
+    caches a bytes object's hash, and a dict lookup with the very same object is an identity
+    check, so a hit costs no more than a lookup by ``id``. Bounded: two generations, each of at
+    most ``limit`` entries and ``max_bytes`` of keys; an entry unused for a whole generation is
+    dropped (and hashed again if it ever comes back), so the memo keeps at most about
+    ``2 * max_bytes`` of resources alive that no snapshot holds any more.
+    """
+
+    __slots__ = ("_current", "_current_bytes", "_limit", "_max_bytes", "_previous", "hashed")
+
+    def __init__(self, limit: int = 100_000, max_bytes: int = 16 << 20) -> None:
+        self._current: dict[bytes, str] = {}
+        self._previous: dict[bytes, str] = {}
+        self._current_bytes = 0
+        self._limit = limit
+        self._max_bytes = max_bytes
+        self.hashed = 0  # resources actually hashed (tests and benchmarks read it)
+
+    def __call__(self, packed: bytes) -> str:
+        version = self._current.get(packed)
+        if version is not None:
+            return version
+        version = self._previous.get(packed)
+        if version is None:
+            version = hashlib.blake2b(packed, digest_size=8).hexdigest()
+            self.hashed += 1
+        if len(self._current) >= self._limit or self._current_bytes >= self._max_bytes:
+            self._previous, self._current, self._current_bytes = self._current, {}, 0
+        self._current[packed] = version
+        self._current_bytes += len(packed)
+        return version
 
 
-def resource_version(value: bytes) -> str:
-    """Opaque version of one packed resource: a hash of its bytes, computed once per distinct
-    value (resources are shared by many nodes; a big CRL secret is hashed once, not per node)."""
-    hit = _RESOURCE_VERSIONS.get(value)
-    if hit is None:
-        if len(_RESOURCE_VERSIONS) >= _RESOURCE_VERSIONS_LIMIT:
-            _RESOURCE_VERSIONS.clear()
-        hit = _RESOURCE_VERSIONS[value] = hashlib.sha256(value).hexdigest()[:16]
-    return hit
+resource_version = ResourceVersions()
+"""The process's one memo of resource versions: snapshots (per-type versions) and delta
+streams (per-resource versions) share it, so each distinct resource is hashed once."""
 
 
 def content_version(resources: Mapping[str, bytes]) -> str:
@@ -766,27 +793,6 @@ def build_snapshot(
     return build_node_snapshot(shared, node)
 
 
-def config_view(state: MeshState) -> tuple[object, ...]:
-    """Everything of the mesh state that snapshots are built from: registrations, statuses and
-    the attested TEE and measurements (claims-based mesh policy). A renewal changes none of it
-    (new serial, new deadline), so it needs no rebuild; revocations reach Envoy through the
-    trust material, which is compared separately."""
-    return (
-        state.trust_domain,
-        tuple(
-            (
-                name,
-                w.registration,
-                w.status,
-                None
-                if w.attestation is None
-                else (w.attestation.tee, tuple(sorted(w.attestation.measurements.items()))),
-            )
-            for name, w in sorted(state.workloads.items())
-        ),
-    )
-
-
 def build_snapshots(
     state: MeshState,
     mesh_policies: Sequence[MeshPolicy],
@@ -805,13 +811,13 @@ def build_snapshots(
 __all__ = [
     "BuildSettings",
     "Packer",
+    "ResourceVersions",
     "SharedResources",
     "Snapshot",
     "TrustMaterial",
     "build_node_snapshot",
     "build_snapshot",
     "build_snapshots",
-    "config_view",
     "content_version",
     "resource_version",
 ]

@@ -44,7 +44,6 @@ Delta (``DeltaAggregatedResources``), per stream and type:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import warnings
@@ -60,7 +59,15 @@ from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
 from xds import pb
-from xds.build import Packer, Snapshot, TrustMaterial, build_snapshot, content_version
+from xds.build import (
+    Packer,
+    ResourceVersions,
+    Snapshot,
+    TrustMaterial,
+    build_snapshot,
+    content_version,
+    resource_version,
+)
 from xds.cache import SnapshotCache
 from xds.resources import ADS_ORDER, ADS_SERVICE, WILDCARD_TYPES, TypeUrl
 from xds.state import (
@@ -179,43 +186,6 @@ class AdsSession:
             if type_url is TypeUrl.CLUSTER:
                 self._types[TypeUrl.ENDPOINT].eds_after_cds = True
             yield pb.encode_discovery_response(version, type_url, nonce, chosen.values())
-
-
-class ResourceVersions:
-    """Version of a packed resource: a content hash, memoized by the bytes object.
-
-    Resources are shared between nodes and streams, so each distinct bytes object is hashed
-    once, however many streams send it. The memo is keyed by the bytes themselves: CPython
-    caches a bytes object's hash, and a dict lookup with the very same object is an identity
-    check, so a hit costs no more than a lookup by ``id``. Bounded: two generations, each of at
-    most ``limit`` entries and ``max_bytes`` of keys; an entry unused for a whole generation is
-    dropped (and hashed again if it ever comes back), so the memo keeps at most about
-    ``2 * max_bytes`` of resources alive that no snapshot holds any more.
-    """
-
-    __slots__ = ("_current", "_current_bytes", "_limit", "_max_bytes", "_previous", "hashed")
-
-    def __init__(self, limit: int = 100_000, max_bytes: int = 16 << 20) -> None:
-        self._current: dict[bytes, str] = {}
-        self._previous: dict[bytes, str] = {}
-        self._current_bytes = 0
-        self._limit = limit
-        self._max_bytes = max_bytes
-        self.hashed = 0  # resources actually hashed (tests and benchmarks read it)
-
-    def __call__(self, packed: bytes) -> str:
-        version = self._current.get(packed)
-        if version is not None:
-            return version
-        version = self._previous.get(packed)
-        if version is None:
-            version = hashlib.blake2b(packed, digest_size=8).hexdigest()
-            self.hashed += 1
-        if len(self._current) >= self._limit or self._current_bytes >= self._max_bytes:
-            self._previous, self._current, self._current_bytes = self._current, {}, 0
-        self._current[packed] = version
-        self._current_bytes += len(packed)
-        return version
 
 
 VersionOf = Callable[[bytes], str]
@@ -422,8 +392,8 @@ class DeltaSession:
             changes: list[tuple[str, str | None, str | None]]
             changes = [(n, have.get(n), v) for n, v, _ in changed]
             changes.extend((n, have.get(n), None) for n in removed)
-            for name, resource_version, _ in changed:
-                have[name] = resource_version
+            for name, given, _ in changed:
+                have[name] = given
             for name in removed:
                 have.pop(name, None)
             if rejected:
@@ -456,7 +426,7 @@ class AdsServer:
         self._metrics = metrics or Metrics()
         self._clock = clock
         self._authorize = authorize
-        self.versions: VersionOf = versions or ResourceVersions()
+        self.versions: VersionOf = versions or resource_version
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
