@@ -12,15 +12,31 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from sidecar.envoy_proc import envoy_binary, envoy_command
+
+
+async def serve_app(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    port: int,
+    stack: AsyncExitStack,
+) -> None:
+    """A workload's app on 127.0.0.1:``port``: every method and path to ``handler``; stopped
+    when ``stack`` closes."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
 
 
 def free_port() -> int:

@@ -30,7 +30,7 @@ from attestmesh.metrics import Metrics
 from certs.ca import CertificateAuthority, build_leaf
 from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
 from sidecar.sds import LocalSds, start_sds
-from tests.integration.envoy_harness import EnvoyProcess, free_port, run_envoy
+from tests.integration.envoy_harness import EnvoyProcess, free_port, run_envoy, serve_app
 from xds.build import Packer, TrustMaterial, build_snapshots
 from xds.cache import SnapshotCache
 from xds.meshpolicy import MeshPolicy, Rule, Source
@@ -137,12 +137,7 @@ async def _app(name: str, port: int, stack: AsyncExitStack) -> None:
     async def handler(request: web.Request) -> web.Response:
         return web.Response(text=f"{name} {request.method} {request.path}")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await serve_app(handler, port, stack)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from attestmesh.metrics import Metrics
 from certs.ca import CertificateAuthority
 from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
 from sidecar.sds import LocalSds, start_sds
-from tests.integration.envoy_harness import EnvoyProcess, free_port, run_envoy
+from tests.integration.envoy_harness import EnvoyProcess, free_port, run_envoy, serve_app
 from tests.integration.test_envoy_mtls import NOW, TD, get, issue, wait_for_200
 from xds.build import TrustMaterial, build_snapshots
 from xds.cache import SnapshotCache
@@ -66,19 +66,14 @@ def admit(namespace: str, caller_namespace: str, caller_sa: str) -> MeshPolicy:
     return MeshPolicy(f"admit-{caller_sa}", namespace, "web", (Rule((source,)),))
 
 
-async def serve_app(name: str, port: int, served: list[str], stack: AsyncExitStack) -> None:
+async def workload_app(name: str, port: int, served: list[str], stack: AsyncExitStack) -> None:
     """The workload's app: answers its own name and records every path it served."""
 
     async def handler(request: web.Request) -> web.Response:
         served.append(request.path)
         return web.Response(text=f"{name} {request.path}")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await serve_app(handler, port, stack)
 
 
 @pytest.fixture
@@ -126,7 +121,7 @@ async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
 
         async def start(i: int, name: str) -> EnvoyProcess:
             r = regs[name]
-            await serve_app(name, r.app_port, served[name], stack)
+            await workload_app(name, r.app_port, served[name], stack)
             sds = LocalSds()
             sds.update(creds[name].chain_pem, creds[name].key_pem)
             sock = sockdir / f"{i}.sock"
