@@ -467,18 +467,38 @@ class AdsServer:
 
         return node_key
 
+    def _still_allowed(self, stream: grpclib.server.Stream[Any, Any]) -> StillAllowed | None:
+        """Re-checked whenever the stream's configuration changes: a certificate revoked since
+        the stream opened (its workload quarantined) ends the stream."""
+        authorize = self._authorize
+        if authorize is None:
+            return None
+        peer = peer_identity(stream.peer.cert())
+        return lambda node: authorize(node, peer)
+
     async def stream_aggregated_resources(
         self, stream: grpclib.server.Stream[DiscoveryRequest, pb.Encoded]
     ) -> None:
         await serve_sotw_stream(
-            stream, self._cache, self._metrics, self._clock, self._node_key(stream)
+            stream,
+            self._cache,
+            self._metrics,
+            self._clock,
+            self._node_key(stream),
+            self._still_allowed(stream),
         )
 
     async def delta_aggregated_resources(
         self, stream: grpclib.server.Stream[DeltaDiscoveryRequest, pb.Encoded]
     ) -> None:
         await serve_delta_stream(
-            stream, self._cache, self._metrics, self._clock, self._node_key(stream), self.versions
+            stream,
+            self._cache,
+            self._metrics,
+            self._clock,
+            self._node_key(stream),
+            self.versions,
+            self._still_allowed(stream),
         )
 
 
@@ -492,6 +512,8 @@ class PeerIdentity:
 
 Authorize = Callable[[str, PeerIdentity], bool]
 """May the client with this certificate fetch node ``node``'s config?"""
+StillAllowed = Callable[[str], bool]
+"""May this stream's client still fetch node ``node``'s config?"""
 
 _Request = DiscoveryRequest | DeltaDiscoveryRequest
 _Req = TypeVar("_Req", DiscoveryRequest, DeltaDiscoveryRequest)
@@ -546,14 +568,17 @@ async def serve_sotw_stream(
     metrics: Metrics,
     clock: Callable[[], float],
     node_key: Callable[[DiscoveryRequest], str],
+    still_allowed: StillAllowed | None = None,
 ) -> None:
     """Serve one state-of-the-world stream from ``cache[node_key(first request)]`` until the
-    client closes it. Requests are read concurrently; the cache's watch wakes the sender."""
+    client closes it (or ``still_allowed`` says no). Requests are read concurrently; the
+    cache's watch wakes the sender."""
     first = await stream.recv_message()
     if first is None:
         return
     node = node_key(first)
-    await _serve(stream, cache, metrics, node, AdsSession(node, metrics, clock), first)
+    session = AdsSession(node, metrics, clock)
+    await _serve(stream, cache, metrics, node, session, first, still_allowed)
 
 
 async def serve_delta_stream(
@@ -563,14 +588,16 @@ async def serve_delta_stream(
     clock: Callable[[], float],
     node_key: Callable[[DeltaDiscoveryRequest], str],
     versions: VersionOf,
+    still_allowed: StillAllowed | None = None,
 ) -> None:
     """Serve one incremental (delta) stream from ``cache[node_key(first request)]`` until the
-    client closes it."""
+    client closes it (or ``still_allowed`` says no)."""
     first = await stream.recv_message()
     if first is None:
         return
     node = node_key(first)
-    await _serve(stream, cache, metrics, node, DeltaSession(node, metrics, clock, versions), first)
+    session = DeltaSession(node, metrics, clock, versions)
+    await _serve(stream, cache, metrics, node, session, first, still_allowed)
 
 
 async def _serve(
@@ -580,9 +607,11 @@ async def _serve(
     node: str,
     session: _Session[_Req],
     first: _Req,
+    still_allowed: StillAllowed | None = None,
 ) -> None:
     session.on_request(first)
     closed = False
+    revoked = False
     metrics.xds_streams.inc()
     try:
         with cache.watch(node) as watch:
@@ -599,11 +628,15 @@ async def _serve(
                 watch.changed.set()
 
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(read())
+                reader = tg.create_task(read())
                 while True:
                     await watch.changed.wait()
                     watch.changed.clear()
                     if closed:
+                        break
+                    if still_allowed is not None and not still_allowed(node):
+                        revoked = True
+                        reader.cancel()
                         break
                     snapshot = cache.get(node)
                     if snapshot is None:
@@ -612,6 +645,12 @@ async def _serve(
                         await stream.send_message(pb.Encoded(message))
     finally:
         metrics.xds_streams.dec()
+    if revoked:
+        _close_soon(stream)
+        raise GRPCError(
+            grpclib.const.Status.PERMISSION_DENIED,
+            f"the client certificate no longer identifies node {node!r}",
+        )
 
 
 def _warm_snapshot() -> Snapshot:
@@ -671,6 +710,7 @@ __all__ = [
     "DeltaSession",
     "PeerIdentity",
     "ResourceVersions",
+    "StillAllowed",
     "VersionOf",
     "peer_identity",
     "peer_uri_sans",

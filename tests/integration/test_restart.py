@@ -171,6 +171,11 @@ async def test_kill_restart_keeps_traffic_quarantine_and_ca(tmp_path: Path) -> N
             return values.get("attestmesh_xds_streams", 0) >= 1
 
         await eventually(frontend_connected)
+        # the attack of a quarantined workload on the xDS port: a stream it held is ended when
+        # its certificate is revoked, and its Envoy's retries with that certificate are refused
+        # every time (a refused stream is never counted)
+        await asyncio.sleep(2.0)
+        assert await frontend_connected() and values["attestmesh_xds_streams"] == 1
         assert values["attestmesh_quarantined_workloads"] == 1
         assert values['attestmesh_quarantine_events_total{trigger="operator"}'] == 1
         assert values['attestmesh_attestations_total{reason="ok",result="admitted",tee="sim"}'] >= 1
