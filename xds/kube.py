@@ -443,7 +443,8 @@ class KubeMetrics:
         )
         self.watch_restarts = Counter(
             "attestmesh_kube_watch_restarts_total",
-            "Watch restarts by resource and reason (gone: relist after 410; error: backoff)",
+            "Watch restarts by resource and reason (gone: relist after 410; error: backoff; "
+            "not_served: the server does not serve the resource)",
             ["resource", "reason"],
             registry=registry,
         )
@@ -767,6 +768,10 @@ class _WatchSpec:
     args: tuple[Any, ...]
     on_snapshot: Callable[[list[dict[str, Any]]], Awaitable[None]]
     on_event: Callable[[str, dict[str, Any]], Awaitable[None]]
+    # A server that does not serve the resource (404 on the list) yields an empty snapshot and
+    # no watch, instead of retrying forever (discovery.k8s.io/v1 EndpointSlices, Kubernetes
+    # 1.21: an older server lists none, so every pod counts as ready).
+    optional: bool = False
 
 
 WatchSpec = _WatchSpec  # public name: what a Watcher lists and watches, and whom it tells
@@ -803,7 +808,18 @@ class Watcher:
         try:
             while True:
                 try:
-                    listed = await self.kube.call(self.spec.list_fn, *self.spec.args)
+                    try:
+                        listed = await self.kube.call(self.spec.list_fn, *self.spec.args)
+                    except KubeError as exc:
+                        if exc.status != 404 or not self.spec.optional:
+                            raise
+                        self._restart("not_served")
+                        log.warning(
+                            "%s: not served by this API server; none watched", self.spec.resource
+                        )
+                        await self.spec.on_snapshot([])
+                        self.synced.set()
+                        return
                     self.lists += 1
                     self.resource_version = str(listed["metadata"]["resourceVersion"])
                     await self.spec.on_snapshot(list(listed.get("items") or []))
@@ -1042,6 +1058,7 @@ class KubeSource:
                     (),
                     self._slice_snapshot,
                     self._slice_event,
+                    optional=True,
                 )
             ),
         )

@@ -1,0 +1,458 @@
+"""Real Kubernetes servers for tests: etcd + kube-apiserver 1.20.2 (+ kube-controller-manager,
++ kube-scheduler on demand) on loopback with throwaway PKI.
+
+The binaries come from ``tools/kube-build`` (cached outside the repository, in
+``$ATTESTMESH_KUBE_CACHE`` or ``~/.cache/attestmesh-kube``). ``ensure_built`` runs it when they
+are missing: the first build takes several minutes, later runs find them at once.
+
+Every process is started by ``Cluster.start`` and stopped by ``Cluster.stop`` (SIGTERM, then
+SIGKILL); ``restart_apiserver`` stops and starts the API server on the same port and etcd, for
+tests of watches that must survive it. Logs stay in the cluster's work directory and are
+printed on a start failure.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import os
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "tools" / "kube-build"
+SERVERS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("ATTESTMESH_KUBE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "attestmesh-kube"
+
+
+def bin_dir() -> Path:
+    return cache_dir() / "bin"
+
+
+def ensure_built() -> Path:
+    """The directory holding the server binaries; builds them with tools/kube-build if missing.
+    Raises RuntimeError (naming the command) if the build fails."""
+    bins = bin_dir()
+    if all(os.access(bins / b, os.X_OK) for b in SERVERS):
+        return bins
+    proc = subprocess.run([str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not all(os.access(bins / b, os.X_OK) for b in SERVERS):
+        raise RuntimeError(
+            f"the real Kubernetes servers are not built and `{BUILD_SCRIPT}` failed "
+            f"(exit {proc.returncode}); run it by hand to see why:\n{proc.stdout}\n{proc.stderr}"
+        )
+    return bins
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- throwaway PKI ---------------------------------------------------------------------------
+
+
+def _pem_key(key: Any) -> bytes:
+    return bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+@dataclass
+class Pki:
+    ca_key: ec.EllipticCurvePrivateKey
+    ca_cert: x509.Certificate
+
+    @classmethod
+    def create(cls) -> Pki:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "attestmesh-test-kube-ca")])
+        now = dt.datetime.now(dt.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(key, hashes.SHA256())
+        )
+        return cls(key, cert)
+
+    @property
+    def ca_pem(self) -> bytes:
+        return self.ca_cert.public_bytes(serialization.Encoding.PEM)
+
+    def issue(
+        self, cn: str, orgs: tuple[str, ...] = (), *, server: bool = False
+    ) -> tuple[bytes, bytes]:
+        """(cert PEM, key PEM): a client certificate (CN user, O groups) or a serving one."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+        attrs += [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
+        now = dt.datetime.now(dt.UTC)
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name(attrs))
+            .issuer_name(self.ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH]
+                    if server
+                    else [ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+        )
+        if server:
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        x509.DNSName("localhost"),
+                    ]
+                ),
+                critical=False,
+            )
+        cert = b.sign(self.ca_key, hashes.SHA256())
+        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def kubeconfig(
+    server: str,
+    ca_pem: bytes,
+    *,
+    user: str,
+    cert: tuple[bytes, bytes] | None = None,
+    token: str | None = None,
+) -> dict[str, Any]:
+    creds: dict[str, str] = {}
+    if cert is not None:
+        creds["client-certificate-data"] = base64.b64encode(cert[0]).decode()
+        creds["client-key-data"] = base64.b64encode(cert[1]).decode()
+    if token is not None:
+        creds["token"] = token
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "test",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_pem).decode(),
+                },
+            }
+        ],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
+        "current-context": "test",
+    }
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        out = self.log.open("ab")
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            out.close()
+
+    def stop(self, kill: bool = False) -> None:
+        p, self.popen = self.popen, None
+        if p is None or p.poll() is not None:
+            return
+        if kill:
+            p.kill()
+        else:
+            p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+@dataclass
+class Cluster:
+    """etcd + kube-apiserver (+ controller-manager: service-account tokens and namespace
+    deletion; + scheduler when ``start_scheduler`` is called) in ``workdir``."""
+
+    workdir: Path
+    bins: Path = field(default_factory=bin_dir)
+    pki: Pki = field(default_factory=Pki.create)
+    api_port: int = field(default_factory=free_port)
+    etcd_port: int = field(default_factory=free_port)
+    etcd_peer_port: int = field(default_factory=free_port)
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://127.0.0.1:{self.etcd_port}"
+
+    def _write(self, name: str, data: bytes, mode: int = 0o600) -> Path:
+        path = self.workdir / "pki" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        path.chmod(mode)
+        return path
+
+    def write_kubeconfig(self, name: str, config: dict[str, Any]) -> Path:
+        path = self.workdir / f"{name}.kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
+
+    def user_kubeconfig(self, user: str, groups: tuple[str, ...] = ()) -> Path:
+        """A kubeconfig authenticating as ``user`` (client certificate, O = groups)."""
+        return self.write_kubeconfig(
+            user.replace(":", "_"),
+            kubeconfig(self.server, self.pki.ca_pem, user=user, cert=self.pki.issue(user, groups)),
+        )
+
+    def token_kubeconfig(self, name: str, token: str) -> Path:
+        return self.write_kubeconfig(
+            name, kubeconfig(self.server, self.pki.ca_pem, user=name, token=token)
+        )
+
+    def prepare(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cert, key = self.pki.issue("kube-apiserver", server=True)
+        self.serving = (self._write("apiserver.crt", cert), self._write("apiserver.key", key))
+        self.ca_file = self._write("ca.crt", self.pki.ca_pem, 0o644)
+        sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        self.sa_key = self._write("sa.key", _pem_key(sa))
+        self.sa_pub = self._write(
+            "sa.pub",
+            sa.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            ),
+        )
+        self.admin = self.user_kubeconfig("test-admin", ("system:masters",))
+        self.procs["etcd"] = Proc(
+            "etcd",
+            [
+                str(self.bins / "etcd"),
+                "--data-dir",
+                str(self.workdir / "etcd"),
+                "--listen-client-urls",
+                self.etcd_url,
+                "--advertise-client-urls",
+                self.etcd_url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{self.etcd_peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{self.etcd_peer_port}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{self.etcd_peer_port}",
+                "--log-level",
+                "warn",
+            ],
+            self.workdir / "etcd.log",
+        )
+        self.procs["kube-apiserver"] = Proc(
+            "kube-apiserver",
+            [
+                str(self.bins / "kube-apiserver"),
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                "--insecure-port=0",
+                f"--cert-dir={self.workdir / 'pki'}",
+                f"--tls-cert-file={self.serving[0]}",
+                f"--tls-private-key-file={self.serving[1]}",
+                f"--client-ca-file={self.ca_file}",
+                f"--service-account-issuer={self.server}",
+                f"--service-account-key-file={self.sa_pub}",
+                f"--service-account-signing-key-file={self.sa_key}",
+                f"--api-audiences={self.server}",
+                "--authorization-mode=RBAC",
+                "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,"
+                "MutatingAdmissionWebhook,ValidatingAdmissionWebhook",
+                "--endpoint-reconciler-type=none",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                "--enable-priority-and-fairness=false",
+                "--v=1",
+            ],
+            self.workdir / "kube-apiserver.log",
+        )
+        self.procs["kube-controller-manager"] = Proc(
+            "kube-controller-manager",
+            [
+                str(self.bins / "kube-controller-manager"),
+                f"--kubeconfig={self.admin}",
+                "--controllers=serviceaccount-token,serviceaccount,namespace,garbagecollector",
+                f"--service-account-private-key-file={self.sa_key}",
+                f"--root-ca-file={self.ca_file}",
+                "--leader-elect=false",
+                "--port=0",
+                "--secure-port=0",
+                "--v=1",
+            ],
+            self.workdir / "kube-controller-manager.log",
+        )
+        self.procs["kube-scheduler"] = Proc(
+            "kube-scheduler",
+            [
+                str(self.bins / "kube-scheduler"),
+                f"--kubeconfig={self.admin}",
+                "--leader-elect=false",
+                "--port=0",
+                "--secure-port=0",
+                "--v=2",
+            ],
+            self.workdir / "kube-scheduler.log",
+        )
+
+    def _ssl(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cadata=self.pki.ca_pem.decode())
+        cert, key = self._write("probe.crt", b""), self._write("probe.key", b"")
+        c, k = self.pki.issue("test-probe", ("system:masters",))
+        cert.write_bytes(c)
+        key.write_bytes(k)
+        ctx.load_cert_chain(cert, key)
+        return ctx
+
+    def _wait(self, what: str, ok: Any, timeout: float, proc: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.procs[proc].alive():
+                raise RuntimeError(f"{proc} exited:\n{self.procs[proc].tail()}")
+            with contextlib.suppress(Exception):
+                if ok():
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{what} not ready in {timeout}s:\n{self.procs[proc].tail()}")
+
+    def _readyz(self) -> bool:
+        req = urllib.request.Request(self.server + "/readyz")  # noqa: S310 (https, loopback)
+        with urllib.request.urlopen(req, context=self._probe_ctx, timeout=2) as resp:  # noqa: S310
+            return bool(resp.status == 200)
+
+    def start_apiserver(self) -> None:
+        self.procs["kube-apiserver"].start()
+        self._wait("kube-apiserver /readyz", self._readyz, 60, "kube-apiserver")
+
+    def stop_apiserver(self) -> None:
+        self.procs["kube-apiserver"].stop()
+
+    def restart_apiserver(self) -> None:
+        self.stop_apiserver()
+        self.start_apiserver()
+
+    def start(self, *, controller_manager: bool = True) -> None:
+        self.prepare()
+        self._probe_ctx = self._ssl()
+        try:
+            self.procs["etcd"].start()
+
+            def etcd_ok() -> bool:
+                with urllib.request.urlopen(self.etcd_url + "/health", timeout=2) as r:  # noqa: S310
+                    return bool(json.loads(r.read()).get("health") == "true")
+
+            self._wait("etcd", etcd_ok, 30, "etcd")
+            self.start_apiserver()
+            if controller_manager:
+                self.procs["kube-controller-manager"].start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_scheduler(self) -> None:
+        if not self.procs["kube-scheduler"].alive():
+            self.procs["kube-scheduler"].start()
+
+    def stop_scheduler(self) -> None:
+        self.procs["kube-scheduler"].stop()
+
+    def etcd_compact(self) -> int:
+        """Compact etcd's history to its current revision (what the API server does every
+        five minutes): older resourceVersions become 410 Gone. Returns the revision."""
+
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            req = urllib.request.Request(  # noqa: S310 (loopback etcd)
+                self.etcd_url + path, data=json.dumps(body).encode(), method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310
+                return dict(json.loads(r.read()))
+
+        rev = int(
+            post("/v3/kv/range", {"key": base64.b64encode(b"/").decode()})["header"]["revision"]
+        )
+        post("/v3/kv/compaction", {"revision": str(rev), "physical": True})
+        return rev
+
+    def stop(self) -> None:
+        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop()
