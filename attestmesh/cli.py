@@ -396,9 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_quarantine)
 
-    from attestmesh import lint, verify_cmd
+    from attestmesh import inspect_cmd, lint, verify_cmd
 
     verify_cmd.add_parser(sub)
+    inspect_cmd.add_parser(sub)
     lint.add_parser(sub).set_defaults(func=lint.run)
     return p
 
@@ -414,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.code == 2 and command == "verify":
             raise SystemExit(3) from None
         raise
-    quiet = args.command in ("demo", "verify", "lint", "bootstrap", "quarantine")
+    quiet = args.command in ("demo", "verify", "lint", "bootstrap", "quarantine", "inspect")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -20,6 +20,7 @@ from typing import Protocol
 from cryptography import x509
 
 from attestmesh.metrics import Metrics
+from attestmesh.tcb_monitor import TcbGraceBook
 from certs.ca import (
     CertificateAuthority,
     Issuer,
@@ -28,6 +29,7 @@ from certs.ca import (
     encode_claims_extension,
     rotation_step,
 )
+from certs.ear import build_ear_extension
 from certs.errors import AttestmeshError, CollateralError, PolicyError
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
 from certs.issuance import (
@@ -47,7 +49,9 @@ from certs.policy import (
     audit_findings,
     parse_policies,
     policies_for,
+    tcb_change_only,
 )
+from certs.tcb_reeval import TcbFinding, tcb_action
 from xds.build import TrustMaterial
 from xds.meshpolicy import MeshPolicy
 from xds.state import (
@@ -203,6 +207,8 @@ class ControlPlane:
         self._last_write: asyncio.Future[None] | None = None
         self._pending: _Announcement | None = None
         self._pruned_at: datetime | None = None
+        self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
+        self._listeners: list[Callable[[MeshState, Collection[str]], None]] = []
         self._quarantined = sum(w.status is Status.QUARANTINED for w in state.workloads.values())
         self._due: list[tuple[datetime, str]] = [
             (w.next_attestation_due, n)
@@ -270,6 +276,8 @@ class ControlPlane:
         self._state = new
         for name in changed:
             self._track_deadline(name)
+        for listener in self._listeners:
+            listener(new, changed)
         if added:
             self._trust = self._build_trust(self._clock())
         self._metrics.quarantined.set(self._quarantined)
@@ -525,9 +533,31 @@ class ControlPlane:
             self._apply(state, events, (name,))
         return bool(events)
 
+    def add_state_listener(self, listener: Callable[[MeshState, Collection[str]], None]) -> None:
+        """Called with (new state, changed workloads) on every transition, on the loop."""
+        self._listeners.append(listener)
+
+    def apply_tcb_findings(
+        self, findings: Sequence[TcbFinding], admitted: Iterable[str] = ()
+    ) -> list[str]:
+        """Act on re-appraisal after a TCB change, per policy ``onTcbChange``: audit events
+        (one batch), quarantines now (one transition) or after the grace period
+        (``check_deadlines``). ``admitted``: workloads admitted again, whose deferred
+        quarantine is dropped. Findings about a workload that re-attested since are ignored."""
+        now = self._clock()
+        for _ in range(self._tcb_grace.clear(admitted)):
+            self._metrics.tcb_reappraisals.labels("admitted").inc()
+        quarantines, events, counts = self._tcb_grace.decide(findings, self._state, now)
+        for outcome, n in counts.items():
+            self._metrics.tcb_reappraisals.labels(outcome).inc(n)
+        if events:
+            self._apply(self._state, events, ())
+        return self._quarantine_all(quarantines)
+
     def check_deadlines(self) -> list[str]:
-        """Quarantine attested workloads that missed their re-attestation deadline; rotate the
-        intermediate CA when its predicates say so; refresh the CRLs before they go stale."""
+        """Quarantine attested workloads that missed their re-attestation deadline, and those
+        whose TCB grace period ran out; rotate the intermediate CA when its predicates say so;
+        refresh the CRLs before they go stale."""
         now = self._clock()
         late = self._overdue(now)
         self._quarantine_all(
@@ -536,6 +566,7 @@ class ControlPlane:
                  Trigger.DEADLINE_MISSED.value, False)
                 for name in late
             ]
+            + self._tcb_grace.due(self._state, now)
         )  # fmt: skip
         stale = self._rotate_ca(now)
         stale |= self._prune_revocations(now)
@@ -619,6 +650,7 @@ class ControlPlane:
         self._metrics.policy_reloads.labels("ok").inc()
         now = self._clock()
         no_longer_admitted: list[tuple[str, Trigger, str, str, bool]] = []
+        tcb_findings: list[TcbFinding] = []
         for name, w in sorted(self._state.workloads.items()):
             if w.status is not Status.ATTESTED or w.attestation is None:
                 continue
@@ -627,12 +659,18 @@ class ControlPlane:
             reg = w.registration
             governing = policies_for(policies, reg.namespace, reg.service_account, reg.labels)
             decision = appraise_all(w.attestation.claims, governing, now)
-            if isinstance(decision, Rejected):
+            if isinstance(decision, Rejected) and tcb_change_only(decision):
+                # a raised minimum TCB / narrower accepted statuses: per onTcbChange
+                action, grace = tcb_action(decision, governing, now)
+                evidence = w.attestation.evidence_sha256
+                tcb_findings.append(TcbFinding(name, evidence, decision, action, grace))
+            elif isinstance(decision, Rejected):
                 no_longer_admitted.append(
                     (name, Trigger.POLICY_CHANGED, "; ".join(decision.reasons), decision.reason,
                      False)
                 )  # fmt: skip
         self._quarantine_all(no_longer_admitted)
+        self.apply_tcb_findings(tcb_findings)
         return policies
 
     def set_mesh_policies(self, policies: Sequence[MeshPolicy]) -> None:
@@ -669,6 +707,15 @@ def _verify_and_sign(
         now=now,
         ttl=admitted.certificate_ttl,
         claims_class=claims_class(admitted.claims.tee.value, admitted.claims.measurements),
+        cmw_extension=build_ear_extension(
+            admitted.claims,
+            policy=admitted.policy,
+            spiffe_id=spiffe_id,
+            subject_key=verified.csr.public_key(),
+            nonce=req.nonce,
+            issuer=ca.intermediate,
+            now=now,
+        ),
     )
     return admitted, leaf, ca.chain_pem(leaf, ca.intermediate)  # it signed the leaf just now
 

@@ -69,6 +69,20 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.tcb_reappraisals = Counter(
+            "attestmesh_tcb_reappraisals_total",
+            "Claims on record re-appraised after a TCB change, by outcome "
+            "(audit, quarantine, deferred, admitted)",
+            ["outcome"],
+            registry=r,
+        )
+        self.tcb_collateral_refreshes = Counter(
+            "attestmesh_tcb_collateral_refreshes_total",
+            "Collateral refreshes for re-appraisal by vendor and result "
+            "(unchanged, changed, unavailable, invalid)",
+            ["vendor", "result"],
+            registry=r,
+        )
         self.policy_reloads = Counter(
             "attestmesh_policy_reloads_total",
             "Policy reloads by result",

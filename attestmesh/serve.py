@@ -27,6 +27,7 @@ from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from attestmesh import secret_release
 from attestmesh.controlplane import (
     AttestationLimiter,
     CollateralSource,
@@ -37,11 +38,16 @@ from attestmesh.controlplane import (
 )
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
+from attestmesh.secret_release import SecretReleaseSettings
 from certs import api
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.collateral.amd_kds import KdsCollateralSource
 from certs.collateral.cache import DiskCache, http_fetcher
-from certs.collateral.intel_pcs import PcsCollateralSource, http_fetcher_with_headers
+from certs.collateral.intel_pcs import (
+    INTEL_ROOT_CA_CRL_URL,
+    PcsCollateralSource,
+    http_fetcher_with_headers,
+)
 from certs.collateral.roots import load_roots
 from certs.errors import AttestmeshError, PolicyError
 from certs.evidence.claims import Tee
@@ -87,6 +93,7 @@ class ControlPlaneSettings:
     policy_poll: timedelta = timedelta(seconds=2)
     server_names: tuple[str, ...] = field(default=("localhost",))
     listen: ListenLimits = field(default_factory=ListenLimits)  # every port: timeouts, caps
+    secrets: SecretReleaseSettings | None = None  # secret release (OpenBao) on its own port
 
 
 def load_yaml_docs(path: Path) -> list[Any]:
@@ -224,13 +231,11 @@ def build_collateral_sources(
             settings.amd_kds_url, cache, http_fetcher(session)
         )
     if settings.intel_pcs_url:
-        kwargs = (
-            {"root_ca_crl_url": settings.intel_root_ca_crl_url}
-            if settings.intel_root_ca_crl_url
-            else {}
-        )
         pcs = PcsCollateralSource(
-            settings.intel_pcs_url, cache, http_fetcher_with_headers(session), **kwargs
+            settings.intel_pcs_url,
+            cache,
+            http_fetcher_with_headers(session),
+            root_ca_crl_url=settings.intel_root_ca_crl_url or INTEL_ROOT_CA_CRL_URL,
         )
         sources[Tee.TDX] = pcs
         sources[Tee.SGX] = pcs
@@ -549,6 +554,10 @@ async def run_control_plane(
     warm()
     cache = SnapshotCache()
     async with aiohttp.ClientSession() as session:
+        secret_policies = None
+        if settings.secrets is not None:  # refused before any state is opened
+            settings.secrets.check()
+            secret_policies = secret_release.load_secret_policies(settings.secrets.policy_file)
         cp, publisher, store = build_control_plane(
             settings, metrics, cache, build_collateral_sources(settings, session), hooks
         )
@@ -562,6 +571,7 @@ async def run_control_plane(
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
         grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
+        secret_runner: web.AppRunner | None = None
         try:
             await api_runner.setup()
             await ops_runner.setup()
@@ -583,6 +593,14 @@ async def run_control_plane(
                 grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds",
                 on_refused=on_refused,
             )  # fmt: skip
+            if settings.secrets is not None and secret_policies is not None:
+                secret_tls = secret_release.secrets_tls(cp.ca.bundle_pem)
+                contexts.append(secret_tls)
+                _load_server_cert([secret_tls], cp.ca, settings, datetime.now(UTC))
+                secret_runner = await secret_release.start(
+                    settings.secrets, cp, secret_policies, metrics, session, secret_tls,
+                    settings.host, lim, on_refused,
+                )  # fmt: skip
             log.info(
                 "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
                 settings.host,
@@ -597,6 +615,10 @@ async def run_control_plane(
                 tg.create_task(_deadlines(cp, settings, stop))
                 tg.create_task(_rotate_server_cert(contexts, lambda: cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
+                if settings.secrets is not None and secret_policies is not None:
+                    tg.create_task(
+                        secret_release.watch(settings.secrets, secret_policies, metrics, stop)
+                    )
                 if hooks is not None and hooks.run is not None:
                     tg.create_task(hooks.run(cp, stop))
         except AttestmeshError as exc:
@@ -608,4 +630,6 @@ async def run_control_plane(
             await grpc.wait_closed()
             await api_runner.cleanup()
             await ops_runner.cleanup()
+            if secret_runner is not None:
+                await secret_runner.cleanup()
             store.close()

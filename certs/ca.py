@@ -49,6 +49,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from certs.ear import CMW_OID
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims
 from certs.policy import MAX_TTL
@@ -184,10 +185,12 @@ def build_leaf(
     now: datetime,
     ttl: timedelta,
     claims_class: str | None = None,
+    cmw_extension: bytes | None = None,
 ) -> x509.Certificate:
     """Sign a mesh leaf: SPIFFE URI SAN only, client+server auth, claims extension. With
     ``claims_class`` the Subject is ``O=attestmesh, OU=<claims_class>`` (Envoy forwards it in
-    x-forwarded-client-cert, which claims-conditioned RBAC matches); without, it is empty."""
+    x-forwarded-client-cert, which claims-conditioned RBAC matches); without, it is empty.
+    ``cmw_extension``: the attestation result in standard form (``certs.ear``), non-critical."""
     not_before, not_after = leaf_validity(now, ttl, issuer.cert.not_valid_after_utc)
     key = csr.public_key()
     if not isinstance(key, ec.EllipticCurvePublicKey):
@@ -243,6 +246,10 @@ def build_leaf(
         )
         .add_extension(x509.UnrecognizedExtension(CLAIMS_OID, claims_extension), critical=False)
     )
+    if cmw_extension is not None:
+        builder = builder.add_extension(
+            x509.UnrecognizedExtension(CMW_OID, cmw_extension), critical=False
+        )
     return builder.sign(issuer.key, hashes.SHA256())
 
 

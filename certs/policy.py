@@ -42,6 +42,22 @@ class OnFailure(enum.StrEnum):
     QUARANTINE_AND_EVICT = "quarantineAndEvict"
 
 
+class OnTcbChange(enum.StrEnum):
+    """What re-appraisal does when changed vendor collateral (or a raised minimum TCB) makes
+    claims on record fail: ``audit`` records an event and a metric only (the workload keeps
+    its certificate until its next attestation is appraised); ``quarantine`` quarantines it
+    after ``tcbChangeGracePeriod``."""
+
+    AUDIT = "audit"
+    QUARANTINE = "quarantine"
+
+
+MAX_TCB_GRACE = timedelta(days=30)
+# Rejection codes a TCB change produces (collateral moving a platform's status, a policy
+# raising its minimum TCB): only these follow ``onTcbChange``.
+TCB_CHANGE_REASONS = frozenset({"tcb_status_not_accepted", "tcb_below_minimum"})
+
+
 # Reference-value key in the policy (camelCase, as in the CRD) -> claims.measurements key.
 MEASUREMENT_KEYS: Mapping[Tee, Mapping[str, str]] = {
     Tee.SIM: {"measurement": "measurement"},
@@ -119,6 +135,10 @@ class AttestationPolicy:
     certificate_ttl: timedelta = DEFAULT_TTL
     reattestation_interval: timedelta = DEFAULT_REATTESTATION
     generation: int = 0
+    on_tcb_change: OnTcbChange = OnTcbChange.AUDIT
+    tcb_change_grace_period: timedelta = timedelta(0)
+    requires: frozenset[Tee] = frozenset()
+    """TEEs whose evidence must all be present (e.g. sev-snp and nvidia-gpu: a composite)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +171,17 @@ Decision = Admitted | Rejected
 def appraise(claims: Claims, policy: AttestationPolicy, now: datetime) -> Decision:
     """Decide whether verified claims satisfy the policy. Pure; collects every reason."""
     reasons: list[str] = []
-    if claims.tee not in policy.allowed_tees:
-        reasons.append(f"tee_not_allowed: {claims.tee} not in {sorted(policy.allowed_tees)}")
+    attached = attached_tees(claims)
+    for tee in (claims.tee, *attached):
+        if tee not in policy.allowed_tees:
+            reasons.append(f"tee_not_allowed: {tee} not in {sorted(policy.allowed_tees)}")
+    missing = sorted(policy.requires - {claims.tee, *attached})
+    if missing:
+        reasons.append(f"tee_required: evidence lacks {', '.join(missing)}")
+    if reasons:
         return Rejected(tuple(reasons), policy.name, now)
+    if Tee.NVIDIA_GPU in attached:
+        reasons += _appraise_gpus(claims, policy.reference_values.get(Tee.NVIDIA_GPU))
     if claims.debug and not policy.allow_debug:
         reasons.append("debug_not_allowed: evidence comes from a debug-enabled TEE")
     ref = policy.reference_values.get(claims.tee, ReferenceValues())
@@ -186,6 +214,42 @@ def appraise(claims: Claims, policy: AttestationPolicy, now: datetime) -> Decisi
     if reasons:
         return Rejected(tuple(reasons), policy.name, now)
     return Admitted(claims, policy.name, now, policy.certificate_ttl)
+
+
+def attached_tees(claims: Claims) -> tuple[Tee, ...]:
+    """TEEs whose evidence came attached to the CPU's (composite evidence, see
+    ``certs.evidence.composite``): their claims are the ``<prefix><index>.`` keys."""
+    raw = claims.details.get("attached_tees")
+    if not isinstance(raw, str) or not raw:
+        return ()
+    out = []
+    for name in raw.split(","):
+        try:
+            out.append(Tee(name))
+        except ValueError:
+            continue
+    return tuple(out)
+
+
+def _appraise_gpus(claims: Claims, ref: ReferenceValues | None) -> list[str]:
+    """Every attached GPU (``gpu<i>.`` claims) against the policy's ``nvidiaGpu`` values."""
+    count = claims.details.get("gpu_count")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        return ["measurement_missing: gpu_count"]
+    reasons = []
+    for i in range(count):
+        for key, allowed in sorted((ref or ReferenceValues()).measurements.items()):
+            actual = claims.measurements.get(f"gpu{i}.{key}")
+            if actual is None:
+                reasons.append(f"measurement_missing: gpu{i}.{key}")
+            elif actual.lower() not in allowed:
+                reasons.append(f"measurement_not_allowed: gpu{i}.{key}={actual}")
+    return reasons
+
+
+def tcb_change_only(decision: Rejected) -> bool:
+    """True when every reason is one a TCB change produces (``onTcbChange`` applies)."""
+    return all(r.split(":", 1)[0] in TCB_CHANGE_REASONS for r in decision.reasons)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +424,9 @@ def _parse_one(doc: Any, index: int, p: _Problems) -> AttestationPolicy | None:
             "certificateTTL",
             "reattestationInterval",
             "referenceValues",
+            "onTcbChange",
+            "tcbChangeGracePeriod",
+            "requires",
         },
         f"{where}.spec",
         p,
@@ -416,7 +483,11 @@ def _parse_one(doc: Any, index: int, p: _Problems) -> AttestationPolicy | None:
     kwargs: dict[str, Any] = {}
     if "allowDebug" in spec:
         kwargs["allow_debug"] = _bool(spec["allowDebug"], f"{where}.spec.allowDebug", p)
-    for key, enum_type, attr in (("mode", Mode, "mode"), ("onFailure", OnFailure, "on_failure")):
+    for key, enum_type, attr in (
+        ("mode", Mode, "mode"),
+        ("onFailure", OnFailure, "on_failure"),
+        ("onTcbChange", OnTcbChange, "on_tcb_change"),
+    ):
         if key in spec:
             try:
                 kwargs[attr] = enum_type(spec[key])
@@ -438,6 +509,40 @@ def _parse_one(doc: Any, index: int, p: _Problems) -> AttestationPolicy | None:
             if key == "reattestationInterval" and value < timedelta(seconds=5):
                 p.add(f"{where}.spec.{key}", "must be at least 5s")
             kwargs[attr] = value
+    if "tcbChangeGracePeriod" in spec:
+        where_grace = f"{where}.spec.tcbChangeGracePeriod"
+        try:
+            grace = parse_duration(spec["tcbChangeGracePeriod"])
+        except ValueError as exc:
+            p.add(where_grace, str(exc))
+        else:
+            if grace > MAX_TCB_GRACE:
+                p.add(where_grace, "must not exceed 720h (30 days)")
+            if kwargs.get("on_tcb_change") is not OnTcbChange.QUARANTINE:
+                p.add(where_grace, "only applies with onTcbChange: quarantine")
+            kwargs["tcb_change_grace_period"] = grace
+    if "requires" in spec:
+        raw_req = spec["requires"]
+        if not isinstance(raw_req, list) or not raw_req:
+            p.add(f"{where}.spec.requires", "must be a non-empty list of TEEs")
+        else:
+            required: set[Tee] = set()
+            for t in raw_req:
+                try:
+                    required.add(Tee(t))
+                except ValueError:
+                    p.add(f"{where}.spec.requires", f"unknown TEE {t!r}")
+                    continue
+                if Tee(t) not in tees:
+                    p.add(f"{where}.spec.requires", f"{t} is required but not in allowedTees")
+            if len(raw_req) != len(required):
+                p.add(f"{where}.spec.requires", "lists a TEE more than once")
+            cpus = sorted(t for t in required if t is not Tee.NVIDIA_GPU)
+            if len(cpus) > 1:
+                p.add(f"{where}.spec.requires", f"at most one CPU TEE, got {', '.join(cpus)}")
+            if required == {Tee.NVIDIA_GPU}:
+                p.add(f"{where}.spec.requires", "nvidia-gpu needs a CPU TEE to attach to")
+            kwargs["requires"] = frozenset(required)
     ttl = kwargs.get("certificate_ttl", DEFAULT_TTL)
     if kwargs.get("reattestation_interval", DEFAULT_REATTESTATION) > ttl:
         p.add(f"{where}.spec.reattestationInterval", "must not exceed certificateTTL")

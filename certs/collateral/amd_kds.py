@@ -24,6 +24,8 @@ import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
+from cryptography import x509
+
 from certs.collateral.cache import DiskCache, Fetch, fetch_cached
 from certs.errors import CollateralError, EvidenceFormatError
 from certs.evidence.claims import Collateral
@@ -47,6 +49,7 @@ __all__ = [
     "KDS_BASE_URL",
     "KdsCollateralSource",
     "cert_chain_url",
+    "crl_url",
     "vcek_url",
 ]
 
@@ -74,6 +77,25 @@ def cert_chain_url(base_url: str, product: Product, key: SigningKey) -> str:
     """The KDS URL of the ASK+ARK (VCEK) or ASVK+ARK (VLEK) chain."""
     kind = "vlek" if key is SigningKey.VLEK else "vcek"
     return f"{base_url.rstrip('/')}/{kind}/v1/{product}/cert_chain"
+
+
+def crl_url(base_url: str, product: Product) -> str:
+    """The KDS URL of the product's CRL (revoked ASKs / endorsement keys, signed by the ARK)."""
+    return f"{base_url.rstrip('/')}/vcek/v1/{product}/crl"
+
+
+def _crl_expiry(now: datetime, max_age: timedelta | None) -> Callable[[bytes], datetime]:
+    def expiry_of(body: bytes) -> datetime:
+        try:
+            crl = x509.load_der_x509_crl(body)
+        except ValueError:
+            raise CollateralError("collateral_invalid", "CRL from KDS is not DER") from None
+        next_update = crl.next_update_utc
+        if next_update is None:
+            raise CollateralError("collateral_invalid", "CRL from KDS has no nextUpdate")
+        return _capped(next_update, now, max_age)
+
+    return expiry_of
 
 
 def _capped(not_after: datetime, now: datetime, max_age: timedelta | None) -> datetime:
@@ -194,6 +216,14 @@ class KdsCollateralSource:
                 raise
             return product, body
         raise last or CollateralError("collateral_missing", "no AMD product to ask KDS for")
+
+    async def crl(self, product: Product | str, now: datetime) -> bytes:
+        """The product's CRL (``{base}/vcek/v1/{product}/crl``, DER, signed by the ARK) through
+        the cache, expiring at its nextUpdate; verified by ``certs.tcb_reeval.verify_amd_crl``."""
+        url = crl_url(self._base, Product(product))
+        return await fetch_cached(
+            self._cache, url, url, self._fetch, now, _crl_expiry(now, self._max_age)
+        )
 
     async def _chain(self, product: Product, key: SigningKey, now: datetime) -> bytes | None:
         url = cert_chain_url(self._base, product, key)

@@ -23,7 +23,7 @@ import json
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import aiohttp
 from cryptography import x509
@@ -172,7 +172,11 @@ class PcsCollateralSource:
         fetch: FetchWithHeaders,
         *,
         root_ca_crl_url: str = INTEL_ROOT_CA_CRL_URL,
+        max_age: timedelta | None = None,
     ) -> None:
+        """``max_age`` caps how long a cached document is used before it is fetched again
+        (Intel may publish a new TCB info long before the current one's nextUpdate)."""
+        self._max_age = max_age
         self._base = base_url.rstrip("/")
         self._cache = cache
         self._fetch = fetch
@@ -184,7 +188,11 @@ class PcsCollateralSource:
         async def fetch_blob(u: str) -> bytes:
             return encode_blob(await self._fetch(u))
 
-        blob = await fetch_cached(self._cache, key, url, fetch_blob, now, expiry)
+        def capped(blob: bytes) -> datetime:
+            at = expiry(blob)
+            return at if self._max_age is None else min(at, now + self._max_age)
+
+        blob = await fetch_cached(self._cache, key, url, fetch_blob, now, capped)
         return decode_blob(blob)
 
     async def collateral_for(
@@ -195,11 +203,28 @@ class PcsCollateralSource:
         if "collateral_json" in out:
             return out
         facts = quote_facts(evidence)
+        return await self.platform_collateral(facts.tee, facts.fmspc, facts.ca, now, have=out)
+
+    async def platform_collateral(
+        self,
+        tee: str,
+        fmspc: str,
+        ca: str,
+        now: datetime,
+        *,
+        have: Collateral | None = None,
+    ) -> dict[str, bytes]:
+        """The collateral of one platform (TEE kind, FMSPC, PCK CA) through the cache: what a
+        quote of it needs, and what ``attestmesh.tcb_monitor`` re-evaluates claims with."""
+        out = dict(have or {})
         base = self._base
+        fmspc = fmspc.upper()
+        if tee not in ("sgx", "tdx") or ca not in ("processor", "platform"):
+            raise CollateralError("collateral_invalid", f"no PCS collateral for {tee}/{ca}")
         if "tcb_info" not in out:
-            url = f"{base}/{facts.tee}/certification/v4/tcb?fmspc={facts.fmspc}"
+            url = f"{base}/{tee}/certification/v4/tcb?fmspc={fmspc}"
             resp = await self._get(
-                f"intel-pcs:{facts.tee}:tcb:{facts.fmspc}",
+                f"intel-pcs:{tee}:tcb:{fmspc}",
                 url,
                 now,
                 _signed_expiry("tcbInfo", TCB_INFO_CHAIN_HEADERS),
@@ -207,9 +232,9 @@ class PcsCollateralSource:
             out["tcb_info"] = resp.body
             out["tcb_info_issuer_chain"] = _chain(resp, TCB_INFO_CHAIN_HEADERS, "tcb_info")
         if "qe_identity" not in out:
-            url = f"{base}/{facts.tee}/certification/v4/qe/identity"
+            url = f"{base}/{tee}/certification/v4/qe/identity"
             resp = await self._get(
-                f"intel-pcs:{facts.tee}:qe-identity",
+                f"intel-pcs:{tee}:qe-identity",
                 url,
                 now,
                 _signed_expiry("enclaveIdentity", QE_IDENTITY_CHAIN_HEADERS),
@@ -217,9 +242,9 @@ class PcsCollateralSource:
             out["qe_identity"] = resp.body
             out["qe_identity_issuer_chain"] = _chain(resp, QE_IDENTITY_CHAIN_HEADERS, "qe_identity")
         if "pck_crl" not in out:
-            url = f"{base}/sgx/certification/v4/pckcrl?ca={facts.ca}&encoding=der"
+            url = f"{base}/sgx/certification/v4/pckcrl?ca={ca}&encoding=der"
             resp = await self._get(
-                f"intel-pcs:pckcrl:{facts.ca}", url, now, _crl_expiry(PCK_CRL_CHAIN_HEADERS)
+                f"intel-pcs:pckcrl:{ca}", url, now, _crl_expiry(PCK_CRL_CHAIN_HEADERS)
             )
             out["pck_crl"] = resp.body
             out["pck_crl_issuer_chain"] = _chain(resp, PCK_CRL_CHAIN_HEADERS, "pck_crl")

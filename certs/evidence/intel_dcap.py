@@ -1093,6 +1093,7 @@ class VerifiedQuote:
     qe_identity_checked: bool
     crls_checked: bool
     details: Mapping[str, str | int | bool] = field(default_factory=dict)
+    pck_serial: int = 0
 
 
 class DcapVerifier:
@@ -1342,7 +1343,59 @@ class DcapVerifier:
             tcb_info=info,
             qe_identity_checked=qe_checked,
             crls_checked=crls_checked,
+            pck_serial=chain.leaf.serial_number,
         )
+
+    def verify_tcb_collateral(
+        self, collateral: Mapping[str, bytes], *, now: datetime
+    ) -> VerifiedTcbCollateral:
+        """Verify collateral on its own (no quote), for re-appraising claims on record: each
+        document present (``tcb_info``, ``qe_identity``, ``pck_crl`` with its issuer chain) must
+        verify to the configured root and be valid at ``now``; absent ones are None."""
+        coll = parse_collateral(collateral)
+        root_crl: VerifiedCrl | None = None
+        if coll.root_ca_crl is not None:
+            root_crl = self._verify_crl(coll.root_ca_crl, self._root, "Root CA CRL")
+            _check_time(root_crl.window, now, "collateral", "Root CA CRL")
+        info: TcbInfo | None = None
+        if coll.tcb_info is not None:
+            doc = self._verify_doc(coll.tcb_info, "TCB info", "tcb")
+            self._signer_at(doc, now, root_crl, "TCB info")
+            assert isinstance(doc.parsed, TcbInfo)
+            info = doc.parsed
+            _check_time(Window(info.issue_date, info.next_update), now, "collateral", "TCB info")
+        ident: EnclaveIdentity | None = None
+        if coll.qe_identity is not None:
+            doc = self._verify_doc(coll.qe_identity, "QE identity", "qe")
+            self._signer_at(doc, now, root_crl, "QE identity")
+            assert isinstance(doc.parsed, EnclaveIdentity)
+            ident = doc.parsed
+            window = Window(ident.issue_date, ident.next_update)
+            _check_time(window, now, "collateral", "QE identity")
+        revoked: frozenset[int] | None = None
+        crl_next: datetime | None = None
+        if coll.pck_crl is not None:
+            if coll.pck_crl_issuer_chain is None:
+                raise EvidenceVerificationError("collateral_missing", "pck_crl_issuer_chain")
+            crl_chain = self._verify_chain(coll.pck_crl_issuer_chain, "PCK CRL chain", pck=False)
+            self._check_chain_time(crl_chain, now)
+            if root_crl is not None and crl_chain.leaf.serial_number in root_crl.revoked:
+                raise EvidenceVerificationError("revoked", "PCK CRL issuer revoked by root CRL")
+            pck_crl = self._verify_crl(coll.pck_crl, crl_chain.leaf, "PCK CRL")
+            _check_time(pck_crl.window, now, "collateral", "PCK CRL")
+            revoked = pck_crl.revoked
+            crl_next = pck_crl.window.not_after
+        return VerifiedTcbCollateral(info, ident, revoked, crl_next)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedTcbCollateral:
+    """Collateral verified without a quote (``DcapVerifier.verify_tcb_collateral``)."""
+
+    tcb_info: TcbInfo | None
+    qe_identity: EnclaveIdentity | None
+    pck_crl_revoked: frozenset[int] | None
+    pck_crl_next_update: datetime | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -1374,6 +1427,7 @@ def common_details(v: VerifiedQuote) -> dict[str, str | int | bool]:
         "qe_tcb_status": v.tcb.qe_status or "",
         "qe_identity_checked": v.qe_identity_checked,
         "crls_checked": v.crls_checked,
+        "pck_serial": format(v.pck_serial, "x"),
     }
 
 

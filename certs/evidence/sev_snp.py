@@ -509,6 +509,8 @@ class _Endorsement:
     product: Product | None
     spl: Mapping[str, int | None]
     hwid: bytes | None
+    serial: int = 0
+    """Read from the strict parse (``cert.serial_number`` warns on AMD's serial 0)."""
 
 
 def _parse_endorsement(data: bytes) -> _Endorsement:
@@ -541,6 +543,7 @@ def _parse_endorsement(data: bytes) -> _Endorsement:
             "fmc": _der_uint(_ext_raw(cert, _OID_FMC_SPL)),
         },
         hwid=_unwrap_octets(hwid) if hwid is not None else None,
+        serial=parsed.serial_number,
     )
 
 
@@ -722,7 +725,12 @@ class SevSnpVerifier:
         problem = self._mismatch_hint(report, tcb, leaf)
         if problem is not None:
             raise EvidenceVerificationError(*problem)
-        return self._claims(evidence, report, hcl, product, tcb)
+        # The serials are kept on record so a later AMD CRL is checked against the claims alone.
+        serials = {
+            "endorsement_serial": format(leaf.serial, "x"),
+            "intermediate_serial": format(chain.intermediate.serial_number, "x"),
+        }
+        return self._claims(evidence, report, hcl, product, tcb, serials)
 
     @staticmethod
     def _mismatch_hint(
@@ -774,8 +782,10 @@ class SevSnpVerifier:
         hcl: HclReport | None,
         product: Product,
         tcb: TcbVersion,
+        serials: Mapping[str, str],
     ) -> Claims:
         details: dict[str, Detail] = {
+            **serials,
             "version": report.version,
             "policy": f"{report.policy:#x}",
             "vmpl": report.vmpl,

@@ -24,6 +24,7 @@ from OpenSSL import crypto
 from certs.api import build_app
 from certs.binding import expected_report_data
 from certs.ca import BACKDATE, CLAIMS_OID, decode_claims_extension
+from certs.ear import TrustTier, verify_certificate_ear
 from certs.errors import CollateralError, EvidenceVerificationError, PolicyError
 from certs.evidence.claims import Tee
 from certs.evidence.sim import SimVerifier
@@ -179,6 +180,10 @@ async def test_challenge_then_attest_issues_a_verifiable_certificate(env: Env) -
     )
     assert claims["tee"] == "sim" and claims["measurements"] == {"measurement": MEASUREMENT.hex()}
     assert claims["policy"] == "default/pol"
+    # the same result in standard form: an EAR the issuing intermediate signed, about this leaf
+    ear = verify_certificate_ear(leaf, intermediate, WEB_ID)
+    assert ear.submods["sim"]["ear.appraisal-policy-id"] == "default/pol"
+    assert ear.claims["iat"] == int(NOW.timestamp()) and ear.status is TrustTier.WARNING
     # OpenSSL path validation against the trust bundle the API returned
     root = x509.load_pem_x509_certificate(reply.body["trust_bundle"].encode())
     assert root.fingerprint(hashes.SHA256()) == env.plane.ca.root.fingerprint(hashes.SHA256())
@@ -630,7 +635,8 @@ async def test_invalid_policy_reload_keeps_the_previous_policy(env: Env) -> None
         env.cp.set_policies([bad_a, bad_b])
     assert info.value.problems == [
         "a.spec.surprise: unknown field (allowed: allowDebug, allowedTees, certificateTTL, "
-        "mode, onFailure, reattestationInterval, referenceValues, selector)",
+        "mode, onFailure, onTcbChange, reattestationInterval, referenceValues, requires, "
+        "selector, tcbChangeGracePeriod)",
         "a.spec.allowedTees: unknown TEE 'quantum' (one of sim, nitro, sev-snp, tdx, sgx, "
         "nvidia-gpu)",
         "b.spec.certificateTTL: invalid duration '2d' (use e.g. 90s, 10m, 1h30m)",

@@ -174,7 +174,8 @@ def test_every_problem_in_one_document_is_reported_at_once() -> None:
         "document[0].kind: must be AttestationPolicy",
         "document[0].metadata.name: not a DNS-1123 label: 'Bad_Name'",
         "Bad_Name.spec.extra: unknown field (allowed: allowDebug, allowedTees, "
-        "certificateTTL, mode, onFailure, reattestationInterval, referenceValues, selector)",
+        "certificateTTL, mode, onFailure, onTcbChange, reattestationInterval, referenceValues, "
+        "requires, selector, tcbChangeGracePeriod)",
         "Bad_Name.spec.selector.colour: unknown field (allowed: matchLabels, serviceAccounts)",
         "Bad_Name.spec.selector: needs serviceAccounts and/or matchLabels",
         "Bad_Name.spec.allowedTees: unknown TEE 'quantum' "

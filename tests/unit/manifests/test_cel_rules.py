@@ -143,3 +143,44 @@ def test_identity_with_namespace_is_rejected_by_rule_and_parser() -> None:
     assert cel_violations(doc)
     with pytest.raises(PolicyError, match="identity must stand alone"):
         parse_mesh_policies([doc])
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"tcbChangeGracePeriod": "10m"}, "only applies with onTcbChange: quarantine"),
+        ({"onTcbChange": "audit", "tcbChangeGracePeriod": "1h"}, "only applies with"),
+        ({"onTcbChange": "quarantine", "tcbChangeGracePeriod": "721h"}, "must not exceed 720h"),
+        ({"requires": ["tdx", "nvidia-gpu"]}, "nvidia-gpu is required but not in allowedTees"),
+        ({"allowedTees": ["tdx", "sgx"], "requires": ["tdx", "sgx"]}, "at most one CPU TEE"),
+        ({"allowedTees": ["tdx", "nvidia-gpu"], "requires": ["nvidia-gpu"]}, "needs a CPU TEE"),
+    ],
+)
+def test_tcb_change_and_requires_rules(changes: dict[str, Any], message: str) -> None:
+    doc = _policy("tdx-td")
+    if "nvidia-gpu" in changes.get("allowedTees", ()):
+        doc["spec"]["referenceValues"]["nvidiaGpu"] = {"measurements": {"2": ["00" * 48]}}
+    if "sgx" in changes.get("allowedTees", ()):
+        doc["spec"]["referenceValues"]["sgx"] = {"mrenclave": ["00" * 32]}
+    doc["spec"].update(changes)
+    assert cel_violations(doc)
+    with pytest.raises(PolicyError, match=message):
+        parse_policies([doc])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"onTcbChange": "quarantine", "tcbChangeGracePeriod": "24h"},
+        {"onTcbChange": "audit"},
+        {"allowedTees": ["tdx", "nvidia-gpu"], "requires": ["tdx", "nvidia-gpu"]},
+    ],
+)
+def test_tcb_change_and_requires_accepted_by_rule_and_parser(changes: dict[str, Any]) -> None:
+    doc = _policy("tdx-td")
+    if "nvidia-gpu" in changes.get("allowedTees", ()):
+        doc["spec"]["referenceValues"]["nvidiaGpu"] = {"measurements": {"2": ["00" * 48]}}
+    doc["spec"].update(changes)
+    assert cel_violations(doc) == []
+    (policy,) = parse_policies([doc])
+    assert policy.on_tcb_change.value == changes.get("onTcbChange", "audit")

@@ -427,6 +427,11 @@ POLICY_MUTATIONS = {
         _set("spec.referenceValues.nvidiaGpu.measurements", {"2": "00"}),
     ),
     "no-spec": ("nitro-enclave", _drop("spec")),
+    "bad-on-tcb-change": ("tdx-td", _set("spec.onTcbChange", "evict")),
+    "grace-bad-duration": ("tdx-td", _set("spec.tcbChangeGracePeriod", "2d")),
+    "requires-unknown-tee": ("tdx-td", _set("spec.requires", ["h100"])),
+    "requires-empty": ("tdx-td", _set("spec.requires", [])),
+    "requires-not-a-list": ("tdx-td", _set("spec.requires", "tdx")),
 }
 
 
