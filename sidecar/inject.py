@@ -53,6 +53,10 @@ Per TEE (pod annotation ``attestmesh.dev/tee``, else the namespace label of the 
 - ``sgx``: the agent container (run under Gramine inside the enclave) requests and limits
   ``sgx.intel.com/epc`` and ``sgx.intel.com/enclave`` (Intel's SGX device plugin) and the pod
   requires NFD's ``feature.node.kubernetes.io/cpu-security.sgx.enabled=true``.
+- ``sev-snp`` / ``tdx`` / ``sgx`` pods also tolerate every TEE-host taint of
+  manifests/nodes/nfd (``TEE_HOST_TAINTS``: ``attestmesh.dev/tee-host.<tee>=true:NoSchedule``),
+  which keeps ordinary pods off TEE capacity; the node affinity above picks the right host (an
+  Intel host may be TDX- and SGX-capable at once, so each tolerates all three).
 - ``sim``: only when ``InjectConfig.sim`` is set (test and development clusters); otherwise
   refused, and no namespace label or annotation can turn it on. The agent gets
   ``--sim-platform-key`` from the Secret ``InjectConfig.sim.secret`` in the pod's namespace
@@ -147,6 +151,12 @@ NITRO_ENCLAVE_CPUS = "aws.ec2.nitro/nitro_enclaves_cpus"
 HUGEPAGES_1GI = "hugepages-1Gi"
 NITRO_TAINT_KEY = "aws-nitro-enclaves-k8s-dp"
 SGX_EPC = "sgx.intel.com/epc"
+# The NoSchedule taints manifests/nodes/nfd puts on TEE-capable hosts (value "true").
+TEE_HOST_TAINTS: Mapping[Tee, str] = {
+    Tee.SEV_SNP: "attestmesh.dev/tee-host.sev-snp",
+    Tee.TDX: "attestmesh.dev/tee-host.tdx",
+    Tee.SGX: "attestmesh.dev/tee-host.sgx",
+}
 SGX_ENCLAVE = "sgx.intel.com/enclave"
 
 INJECTABLE_TEES = (Tee.SIM, Tee.NITRO, Tee.SEV_SNP, Tee.TDX, Tee.SGX)
@@ -585,8 +595,20 @@ def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig)
         snp = tee is Tee.SEV_SNP
         spec["runtimeClassName"] = cfg.snp_runtime_class if snp else cfg.tdx_runtime_class
         _merge_required_affinity(spec, cfg.snp_node_labels if snp else cfg.tdx_node_labels)
+        _tolerate_tee_hosts(spec)
     elif tee is Tee.SGX:
         _merge_required_affinity(spec, cfg.sgx_node_labels)
+        _tolerate_tee_hosts(spec)
+
+
+def _tolerate_tee_hosts(spec: dict[str, Any]) -> None:
+    """Add the tolerations of every ``TEE_HOST_TAINTS`` taint the pod does not have yet."""
+    tolerations = list(spec.get("tolerations") or [])
+    for key in TEE_HOST_TAINTS.values():
+        toleration = {"key": key, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+        if toleration not in tolerations:
+            tolerations.append(toleration)
+    spec["tolerations"] = tolerations
 
 
 def mutate(

@@ -117,6 +117,21 @@ NFD_RULE_SCHEMA: dict[str, Any] = {
                                 "propertyNames": {"pattern": _LABEL_KEY},
                                 "additionalProperties": {"type": "string", "maxLength": 63},
                             },
+                            "taints": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["key", "effect"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "key": {"type": "string", "pattern": _LABEL_KEY},
+                                        "value": {"type": "string", "maxLength": 63},
+                                        "effect": {
+                                            "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]
+                                        },
+                                    },
+                                },
+                            },
                             "matchFeatures": {
                                 "type": "array",
                                 "minItems": 1,
