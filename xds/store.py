@@ -12,8 +12,10 @@ durable before it announces anything. Nothing is written but the rows in the bat
   order. The loop never waits for the disk; one fsync covers every batch that queued behind the
   previous one.
 
-A PostgreSQL store implements the same protocol: ``Batch`` carries rows, not SQL; the document
-encoding (``workload_to_doc``/``workload_from_doc``) and the migration list shape are shared.
+``xds.store_pg.PostgresStore`` (several replicas on one database) is the other backend of the
+same seam: ``Batch`` carries rows, not SQL; the document encoding
+(``workload_to_doc``/``workload_from_doc``), the encoded rows (``_Rows``) and the migration list
+shape are shared, and ``GroupCommitStore`` drives either (``CommitBackend``).
 
 Schema changes are ordered ``Migration``s recorded in a ``schema_version`` table, applied at open
 in one transaction; a database written by newer code is refused (``StoreError``). The event log
@@ -59,11 +61,13 @@ __all__ = [
     "SCHEMA_VERSION",
     "SQLITE_MIGRATIONS",
     "Batch",
+    "CommitBackend",
     "GroupCommitStore",
     "Migration",
     "SqliteStore",
     "StateStore",
     "StoreError",
+    "StoreReader",
     "StoreStats",
     "claims_from_doc",
     "claims_to_doc",
@@ -176,6 +180,34 @@ class StateStore(Protocol):
         ...
 
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]: ...
+
+    def close(self) -> None: ...
+
+
+class StoreReader(Protocol):
+    """A second connection for reads while a writer thread owns the first."""
+
+    def load(self, trust_domain: str) -> MeshState: ...
+
+    def events(self, workload: str | None = None, limit: int = 100) -> list[Event]: ...
+
+    def close(self) -> None: ...
+
+
+class CommitBackend(Protocol):
+    """What ``GroupCommitStore`` drives from its writer thread: ``SqliteStore`` or
+    ``xds.store_pg.PostgresStore``."""
+
+    @property
+    def where(self) -> str:
+        """The database, for messages (no credentials)."""
+        ...
+
+    def commit_rows(self, rows: _Rows, batches: int) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def reader(self) -> StoreReader: ...
 
     def close(self) -> None: ...
 
@@ -592,8 +624,16 @@ class SqliteStore:
         self.commit_seconds = 0.0
         self.max_group = 0
 
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
     def close(self) -> None:
         self._db.close()
+
+    def reader(self) -> StoreReader:
+        """A read-only second connection (WAL readers never wait for the writer)."""
+        return _SqliteReader(self.path)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -614,7 +654,7 @@ class SqliteStore:
     def write(self, batch: Batch) -> None:
         """Commit ``batch`` in one transaction; durable when this returns."""
         if not batch.empty():
-            self._commit(_Rows.encode(batch), 1)
+            self.commit_rows(_Rows.encode(batch), 1)
 
     def write_group(self, batches: Sequence[Batch]) -> None:
         """Commit several batches, applied in order, in one transaction (one fsync)."""
@@ -622,12 +662,13 @@ class SqliteStore:
         for b in batches:
             rows.absorb(_Rows.encode(b))
         if rows.count():
-            self._commit(rows, len(batches))
+            self.commit_rows(rows, len(batches))
 
     def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
         self.write(diff(old, new, events))
 
-    def _commit(self, rows: _Rows, batches: int) -> None:
+    def commit_rows(self, rows: _Rows, batches: int) -> None:
+        """Commit encoded rows in one transaction (the caller owns this connection)."""
         started = time.perf_counter()
         upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
         deletes = [(n,) for n, d in rows.workloads.items() if d is None]
@@ -677,6 +718,21 @@ class SqliteStore:
             pass  # the connection is unusable; the transaction did not commit either way
 
 
+class _SqliteReader:
+    def __init__(self, path: Path) -> None:
+        self._db = _connect(path)
+        self._db.execute("PRAGMA query_only=ON")
+
+    def load(self, trust_domain: str) -> MeshState:
+        return _load(self._db, trust_domain)
+
+    def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
+        return _events(self._db, workload, limit)
+
+    def close(self) -> None:
+        self._db.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Group commit
 
@@ -702,7 +758,8 @@ def _settle(outcomes: list[tuple[asyncio.Future[None], BaseException | None]]) -
 
 
 class GroupCommitStore:
-    """A ``SqliteStore`` behind one writer thread: group commit for an asyncio program.
+    """A ``SqliteStore`` (or ``PostgresStore``) behind one writer thread: group commit for an
+    asyncio program.
 
     ``write`` must be called on the event loop's thread: it puts the batch on a queue the writer
     never locks (p99 about 10 us on the loop, measured by benchmarks/bench_store.py) and returns
@@ -713,8 +770,9 @@ class GroupCommitStore:
     future of the group gets the ``StoreError``; nothing of the group is applied. A future
     resolves only after its batch is durable; cancelling it does not withdraw the batch.
 
-    Reads (``load``, ``events``) use a second connection and see what is durable, not what is
-    still queued; they do not wait for the writer (WAL readers never block on it). Their cost is
+    Reads (``load``, ``events``) use a second connection (``backend.reader()``) and see what
+    is durable, not what is still queued; they do not wait for the writer (SQLite: WAL readers
+    never block on it; PostgreSQL: MVCC). Their cost is
     on the calling thread: ``events`` is an indexed range of at most ``limit`` rows (well under
     a millisecond); ``load`` decodes every workload row (about 20 us each: ~0.2 s for 10,000),
     meant for start-up, before the loop serves.
@@ -728,10 +786,9 @@ class GroupCommitStore:
     commits, commit seconds, largest group, queued now).
     """
 
-    def __init__(self, store: SqliteStore, *, thread_name: str = "attestmesh-store") -> None:
+    def __init__(self, store: CommitBackend, *, thread_name: str = "attestmesh-store") -> None:
         self._store = store
-        self._reader = _connect(store.path)
-        self._reader.execute("PRAGMA query_only=ON")
+        self._reader = store.reader()
         # The writer blocks on the queue; producers never wait for it (SimpleQueue.put is one
         # C call). The lock only orders producers against close() and is never taken by the
         # writer, so write() never waits for a thread that holds the GIL.
@@ -747,8 +804,12 @@ class GroupCommitStore:
         return cls(SqliteStore(path, **options))
 
     @property
-    def path(self) -> Path:
-        return self._store.path
+    def where(self) -> str:
+        return self._store.where
+
+    @property
+    def backend(self) -> CommitBackend:
+        return self._store
 
     def stats(self) -> StoreStats:
         return replace(self._store.stats(), queued=self._queue.qsize())
@@ -772,10 +833,10 @@ class GroupCommitStore:
         waiter.result()
 
     def load(self, trust_domain: str) -> MeshState:
-        return _load(self._reader, trust_domain)
+        return self._reader.load(trust_domain)
 
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
-        return _events(self._reader, workload, limit)
+        return self._reader.events(workload, limit)
 
     def close(self) -> None:
         with self._put_lock:
@@ -790,7 +851,7 @@ class GroupCommitStore:
     def _enqueue(self, pending: _Pending) -> None:
         with self._put_lock:
             if self._closed:
-                raise StoreError("store_closed", f"{self._store.path} is closed")
+                raise StoreError("store_closed", f"{self._store.where} is closed")
             self._queue.put(pending)
 
     def _run(self) -> None:
@@ -827,7 +888,7 @@ class GroupCommitStore:
             outcomes.append((p, None))
         if batches:
             try:
-                self._store._commit(rows, batches)
+                self._store.commit_rows(rows, batches)
             except Exception as exc:
                 outcomes = [(p, exc if e is None else e) for p, e in outcomes]
         self._resolve(outcomes)
@@ -855,5 +916,7 @@ class GroupCommitStore:
 
 if TYPE_CHECKING:  # both stores implement the seam (checked by mypy)
 
-    def _conforms(a: SqliteStore, b: GroupCommitStore) -> tuple[StateStore, StateStore]:
-        return a, b
+    def _conforms(
+        a: SqliteStore, b: GroupCommitStore
+    ) -> tuple[StateStore, StateStore, CommitBackend]:
+        return a, b, a

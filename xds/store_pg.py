@@ -1,0 +1,417 @@
+"""The PostgreSQL store: the same seam as ``SqliteStore``, for several control-plane replicas.
+
+``PostgresStore`` is the synchronous backend (one connection, one transaction per commit, the
+server's ``synchronous_commit`` decides durability: on by default, so a commit that returned is
+in the server's WAL on disk). ``GroupCommitStore(PostgresStore(url))`` is what the control
+plane runs: one writer thread, every batch waiting committed in one transaction.
+
+Rows are the ones ``SqliteStore`` writes (``_Rows``: one JSON document per workload, serials and
+timestamps as text), in bulk statements over arrays (``unnest``): one round trip per statement,
+whatever the batch size.
+
+Schema changes are ordered ``Migration``s (``PG_MIGRATIONS``) applied at open in one
+transaction under a transaction-scoped advisory lock, so replicas starting together migrate
+once; the applied versions are rows of ``schema_version``; a database written by newer code is
+refused (``StoreError('store_schema_too_new')``) and a failing migration changes nothing
+(PostgreSQL's DDL is transactional).
+
+A connection that breaks (server restart, network) fails the commit in progress
+(``store_commit_failed``: nothing of it is applied, or it was applied and the caller cannot
+know; the control plane fails stop either way) and is replaced on the next use.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from xds.state import Event, MeshState, Revocation
+from xds.store import (
+    _KIND,
+    _TRIGGER,
+    DEFAULT_MAX_EVENTS,
+    Batch,
+    CommitBackend,
+    GroupCommitStore,
+    Migration,
+    SqliteStore,
+    StateStore,
+    StoreError,
+    StoreReader,
+    StoreStats,
+    _from_iso,
+    _Rows,
+    diff,
+    workload_from_doc,
+)
+
+__all__ = [
+    "PG_MIGRATIONS",
+    "PG_SCHEMA_VERSION",
+    "PostgresStore",
+    "is_postgres_url",
+    "migrate_pg",
+    "open_store",
+    "pg_schema_version",
+    "redact_url",
+]
+
+# pg_advisory_xact_lock key serialising schema migrations ("attestmesh schema" in ASCII, folded)
+MIGRATION_LOCK = 0x6174_7465_7374_6D73
+CONNECT_TIMEOUT_SECONDS = 5
+
+PG_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "workloads, revocations and the event log (with typed reasons)",
+        (
+            "CREATE TABLE workloads (name text PRIMARY KEY, doc text NOT NULL)",
+            "CREATE TABLE revocations (serial text PRIMARY KEY, workload text NOT NULL, "
+            "not_after text NOT NULL, revoked_at text NOT NULL)",
+            "CREATE TABLE events (id bigserial PRIMARY KEY, at text NOT NULL, kind text NOT NULL, "
+            "workload text NOT NULL, trigger text, reason text NOT NULL, "
+            "code text NOT NULL DEFAULT '', platform integer NOT NULL DEFAULT 0)",
+            "CREATE INDEX events_by_workload ON events(workload, id)",
+        ),
+    ),
+)
+PG_SCHEMA_VERSION = PG_MIGRATIONS[-1].version
+
+
+def is_postgres_url(spec: str) -> bool:
+    return spec.startswith(("postgresql://", "postgres://"))
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (for logs and errors)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "postgresql://<unparsable>"
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_SECONDS,
+            application_name="attestmesh-controlplane",
+        )
+    except psycopg.Error as exc:
+        raise StoreError(
+            "store_unreachable", f"{redact_url(url)}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def pg_schema_version(conn: psycopg.Connection[Any]) -> int:
+    """The schema version of a database: 0 if it has no ``schema_version`` table."""
+    row = conn.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
+    if not row or not row[0]:
+        return 0
+    got = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return int(got[0]) if got and got[0] is not None else 0
+
+
+def migrate_pg(
+    conn: psycopg.Connection[Any],
+    migrations: Sequence[Migration] = PG_MIGRATIONS,
+    where: str = "",
+) -> int:
+    """Bring the schema up to the last of ``migrations`` in one transaction; return its version.
+
+    Idempotent; concurrent openers (replicas starting together) serialise on an advisory lock
+    held until the transaction ends and read the version after taking it. A database newer
+    than the newest migration is refused; a failing migration rolls everything back."""
+    latest = migrations[-1].version if migrations else 0
+    where = where or "database"
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            current = pg_schema_version(conn)
+            if current > latest:
+                raise StoreError(
+                    "store_schema_too_new",
+                    f"{where} has schema version {current}; this attestmesh knows versions up "
+                    f"to {latest}: run the newer attestmesh or restore a backup",
+                )
+            if current < latest:
+                conn.execute(
+                    "CREATE TABLE IF NOT EXISTS schema_version (version integer PRIMARY KEY, "
+                    "description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+                for m in migrations:
+                    if m.version > current:
+                        for statement in m.statements:
+                            conn.execute(statement.encode())
+                        conn.execute(
+                            "INSERT INTO schema_version(version, description) VALUES (%s, %s)",
+                            (m.version, m.description),
+                        )
+    except psycopg.Error as exc:
+        raise StoreError("store_migration_failed", f"{where}: {type(exc).__name__}: {exc}") from exc
+    return latest
+
+
+def _load(conn: psycopg.Connection[Any], trust_domain: str) -> MeshState:
+    loads = json.loads
+    with conn.transaction():  # one snapshot for both tables
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        rows = conn.execute("SELECT name, doc FROM workloads ORDER BY name").fetchall()
+        revs = conn.execute(
+            "SELECT serial, workload, not_after, revoked_at FROM revocations "
+            "ORDER BY revoked_at, serial"
+        ).fetchall()
+    workloads = {name: workload_from_doc(loads(doc)) for name, doc in rows}
+    revocations = tuple(
+        Revocation(int(s), _from_iso(na), _from_iso(ra), w) for s, w, na, ra in revs
+    )
+    return MeshState(trust_domain, workloads, revocations)
+
+
+def _events(conn: psycopg.Connection[Any], workload: str | None, limit: int) -> list[Event]:
+    if workload is None:
+        rows = conn.execute(
+            "SELECT at, kind, workload, trigger, reason, code, platform FROM events "
+            "ORDER BY id DESC LIMIT %s",
+            (limit,),
+        ).fetchall()
+    else:
+        rows = conn.execute(
+            "SELECT at, kind, workload, trigger, reason, code, platform FROM events "
+            "WHERE workload = %s ORDER BY id DESC LIMIT %s",
+            (workload, limit),
+        ).fetchall()
+    return [
+        Event(_KIND[k], w, _from_iso(at), reason, _TRIGGER[t] if t else None, code, bool(p))
+        for at, k, w, t, reason, code, p in reversed(rows)
+    ]
+
+
+class _Connection:
+    """One connection, replaced after it breaks; a lock makes it usable from several threads."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = _connect(url)
+
+    def get(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                conn.close()
+            self._conn = None
+            conn = self._conn = _connect(self.url)
+        return conn
+
+    def discard_if_broken(self) -> None:
+        conn = self._conn
+        if conn is not None and (conn.closed or conn.broken):
+            conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _read(c: _Connection, what: str, fn: Any, *args: Any) -> Any:
+    with c._lock:
+        try:
+            return fn(c.get(), *args)
+        except psycopg.Error as exc:
+            c.discard_if_broken()
+            raise StoreError(
+                "store_read_failed", f"{redact_url(c.url)}: {what}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+class _PgReader:
+    def __init__(self, url: str) -> None:
+        self._c = _Connection(url)
+
+    def load(self, trust_domain: str) -> MeshState:
+        state: MeshState = _read(self._c, "load", _load, trust_domain)
+        return state
+
+    def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
+        events: list[Event] = _read(self._c, "events", _events, workload, limit)
+        return events
+
+    def close(self) -> None:
+        self._c.close()
+
+
+class PostgresStore:
+    """The PostgreSQL backend: one connection, synchronous commits (see the module docstring).
+
+    Not for concurrent writes from several threads: wrap it in ``GroupCommitStore`` (which then
+    owns it). ``max_events`` / ``prune_slack`` bound the event log as in ``SqliteStore`` (the
+    bound is shared by every replica writing to the database)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        prune_slack: int | None = None,
+        migrations: Sequence[Migration] = PG_MIGRATIONS,
+    ) -> None:
+        if max_events < 1:
+            raise ValueError("max_events must be at least 1")
+        if not is_postgres_url(url):
+            raise ValueError(f"not a postgresql:// URL: {redact_url(url)}")
+        self.url = url
+        self.max_events = max_events
+        self.prune_slack = max_events // 100 if prune_slack is None else prune_slack
+        self._c = _Connection(url)
+        try:
+            self.version = migrate_pg(self._c.get(), migrations, where=self.where)
+        except BaseException:
+            self._c.close()
+            raise
+        self._pruned_below = 0
+        self.commits = 0
+        self.batches = 0
+        self.rows = 0
+        self.failed_commits = 0
+        self.commit_seconds = 0.0
+        self.max_group = 0
+
+    @property
+    def where(self) -> str:
+        return redact_url(self.url)
+
+    def close(self) -> None:
+        self._c.close()
+
+    def reader(self) -> StoreReader:
+        return _PgReader(self.url)
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            self.commits,
+            self.batches,
+            self.rows,
+            self.failed_commits,
+            self.commit_seconds,
+            self.max_group,
+        )
+
+    def load(self, trust_domain: str) -> MeshState:
+        state: MeshState = _read(self._c, "load", _load, trust_domain)
+        return state
+
+    def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
+        events: list[Event] = _read(self._c, "events", _events, workload, limit)
+        return events
+
+    def write(self, batch: Batch) -> None:
+        """Commit ``batch`` in one transaction; durable when this returns."""
+        if not batch.empty():
+            self.commit_rows(_Rows.encode(batch), 1)
+
+    def write_group(self, batches: Sequence[Batch]) -> None:
+        rows = _Rows()
+        for b in batches:
+            rows.absorb(_Rows.encode(b))
+        if rows.count():
+            self.commit_rows(rows, len(batches))
+
+    def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
+        self.write(diff(old, new, events))
+
+    def commit_rows(self, rows: _Rows, batches: int) -> None:
+        started = time.perf_counter()
+        with self._c._lock:
+            try:
+                pruned_below = self._commit(self._c.get(), rows)
+            except psycopg.Error as exc:
+                self._c.discard_if_broken()
+                self.failed_commits += 1
+                raise StoreError(
+                    "store_commit_failed", f"{self.where}: {type(exc).__name__}: {exc}"
+                ) from exc
+            except BaseException:
+                self._c.discard_if_broken()
+                self.failed_commits += 1
+                raise
+        self._pruned_below = pruned_below
+        self.commits += 1
+        self.batches += batches
+        self.rows += rows.count()
+        self.commit_seconds += time.perf_counter() - started
+        self.max_group = max(self.max_group, batches)
+
+    def _commit(self, conn: psycopg.Connection[Any], rows: _Rows) -> int:
+        upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
+        deletes = [n for n, d in rows.workloads.items() if d is None]
+        revoked = [r for r in rows.revocations.values() if r is not None]
+        unrevoked = [s for s, r in rows.revocations.items() if r is None]
+        pruned_below = self._pruned_below
+        with conn.transaction():
+            if upserts:
+                conn.execute(
+                    "INSERT INTO workloads(name, doc) "
+                    "SELECT * FROM unnest(%s::text[], %s::text[]) "
+                    "ON CONFLICT (name) DO UPDATE SET doc = EXCLUDED.doc",
+                    ([n for n, _ in upserts], [d for _, d in upserts]),
+                )
+            if deletes:
+                conn.execute("DELETE FROM workloads WHERE name = ANY(%s::text[])", (deletes,))
+            if revoked:
+                conn.execute(
+                    "INSERT INTO revocations(serial, workload, not_after, revoked_at) "
+                    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+                    "ON CONFLICT (serial) DO UPDATE SET workload = EXCLUDED.workload, "
+                    "not_after = EXCLUDED.not_after, revoked_at = EXCLUDED.revoked_at",
+                    tuple([r[i] for r in revoked] for i in range(4)),
+                )
+            if unrevoked:
+                conn.execute("DELETE FROM revocations WHERE serial = ANY(%s::text[])", (unrevoked,))
+            if rows.events:
+                columns = tuple([e[i] for e in rows.events] for i in range(7))
+                conn.execute(
+                    "INSERT INTO events(at, kind, workload, trigger, reason, code, platform) "
+                    "SELECT at, kind, workload, trigger, reason, code, platform FROM unnest("
+                    "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+                    "%s::integer[]) WITH ORDINALITY "
+                    "AS u(at, kind, workload, trigger, reason, code, platform, n) ORDER BY n",
+                    columns,
+                )
+                got = conn.execute("SELECT currval(pg_get_serial_sequence('events', 'id'))")
+                last = int(got.fetchone()[0])  # type: ignore[index]
+                if last - self.max_events > pruned_below + self.prune_slack:
+                    pruned_below = last - self.max_events
+                    conn.execute("DELETE FROM events WHERE id <= %s", (pruned_below,))
+        return pruned_below
+
+
+def open_store(spec: str | Path, **options: Any) -> GroupCommitStore:
+    """The control plane's store: ``postgresql://...`` (or ``postgres://``) opens PostgreSQL,
+    anything else is the path of a SQLite file; either behind group commit."""
+    if isinstance(spec, str) and is_postgres_url(spec):
+        return GroupCommitStore(PostgresStore(spec, **options), thread_name="attestmesh-store-pg")
+    return GroupCommitStore(SqliteStore(Path(spec), **options))
+
+
+if TYPE_CHECKING:
+
+    def _conforms(a: PostgresStore) -> tuple[StateStore, CommitBackend]:
+        return a, a
