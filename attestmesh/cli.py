@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -129,6 +130,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         intel_pcs_url=args.intel_pcs_url,
         intel_root_ca_crl_url=args.intel_root_ca_crl_url,
         server_names=server_names,
+        store=args.store,
     )
 
     async def main() -> None:
@@ -284,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser("controlplane", help="run the control plane (attestation API, xDS, ops)")
     cp.add_argument("--state-dir", type=Path, required=True, help="CA and SQLite state live here")
+    cp.add_argument(
+        "--store",
+        default=os.environ.get("ATTESTMESH_STORE") or None,
+        help="the state store: a postgresql:// URL (several replicas share it) or a SQLite file "
+        "path; default: $ATTESTMESH_STORE, else <state-dir>/state.sqlite3. Prefer the "
+        "environment variable for a URL with a password (argv is visible to every local user)",
+    )
     cp.add_argument(
         "--policy", type=Path, help="AttestationPolicy YAML file (local mode, required)"
     )

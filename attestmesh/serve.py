@@ -59,7 +59,8 @@ from xds.publisher import XdsPublisher
 from xds.registrations import parse_registrations
 from xds.server import AdsServer, PeerIdentity, warm
 from xds.state import MeshState, Registration, Status, Trigger
-from xds.store import GroupCommitStore, SqliteStore
+from xds.store import GroupCommitStore
+from xds.store_pg import open_store
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class ControlPlaneSettings:
     policy_poll: timedelta = timedelta(seconds=2)
     server_names: tuple[str, ...] = field(default=("localhost",))
     listen: ListenLimits = field(default_factory=ListenLimits)  # every port: timeouts, caps
+    # None: SQLite at <state_dir>/state.sqlite3 (one replica); postgresql://...: the shared
+    # PostgreSQL store of several replicas (xds.store_pg)
+    store: str | None = None
 
 
 def load_yaml_docs(path: Path) -> list[Any]:
@@ -281,7 +285,7 @@ def build_control_plane(
     ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
     # Group commit: one writer thread, one fsync for every transition waiting for it; the loop
     # never waits on the disk (a transition is announced, and answered, once durable).
-    store = GroupCommitStore(SqliteStore(settings.state_dir / "state.sqlite3"))
+    store = open_store(settings.store or settings.state_dir / "state.sqlite3")
     state = store.load(settings.trust_domain)
     loop = asyncio.get_running_loop()
     publisher = XdsPublisher(
