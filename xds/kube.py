@@ -1450,16 +1450,7 @@ class KubeActions:
         evicted = False
         if evict:
             try:
-                await self.kube.call(
-                    self.kube.core.create_namespaced_pod_eviction,
-                    name,
-                    ns,
-                    {
-                        "apiVersion": "policy/v1",
-                        "kind": "Eviction",
-                        "metadata": {"name": name, "namespace": ns},
-                    },
-                )
+                await self._evict(name, ns)
                 evicted = True
                 self._count("evict", "done")
             except KubeError as exc:
@@ -1471,6 +1462,22 @@ class KubeActions:
                     raise
         self._count("quarantine", "done")
         return QuarantineOutcome(ActionResult.DONE, evicted, tainted)
+
+    async def _evict(self, name: str, ns: str) -> None:
+        """policy/v1 Eviction; a server older than Kubernetes 1.22 answers 400 for that
+        version (measured on 1.20), and is asked again with policy/v1beta1."""
+        for version in ("policy/v1", "policy/v1beta1"):
+            body = {
+                "apiVersion": version,
+                "kind": "Eviction",
+                "metadata": {"name": name, "namespace": ns},
+            }
+            try:
+                await self.kube.call(self.kube.core.create_namespaced_pod_eviction, name, ns, body)
+                return
+            except KubeError as exc:
+                if exc.status != 400 or f'version "{version}"' not in exc.detail:
+                    raise
 
     async def _taint(self, node: str, message: str) -> None:
         known = self.nodes(node)

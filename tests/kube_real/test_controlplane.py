@@ -1,0 +1,506 @@
+"""``attestmesh controlplane --kubernetes`` against a real kube-apiserver 1.20.2.
+
+The control plane authenticates as the ServiceAccount of manifests/base/rbac.yaml (a token from
+a real TokenRequest), so every call it makes is authorized by the ClusterRole and Role there:
+a missing permission shows as a 403 and a failing test. The injection webhook of
+manifests/base/webhook.yaml is pointed at the control plane's webhook port; the real server
+calls it for Pods created through it. Agents present real TokenRequest tokens bound to their
+Pod (audience attestmesh) and the control plane reviews them with a real TokenReview.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.kube_mode import KubeMode, KubeSettings, connect
+from attestmesh.metrics import Metrics
+from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
+from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
+from sidecar.inject import Decision, InjectConfig, SimInjection, mutate
+from tests.kube_real.cluster import Cluster, free_port
+from tests.kube_real.install import Installed
+from tests.kube_real.rest import Rest, until
+from tests.unit.inject.jsonpatch import apply_patch
+from xds.kube import (
+    CONDITION_ACCEPTED,
+    CONDITION_ATTESTED,
+    LABEL_PLATFORM_UNTRUSTED,
+    LABEL_QUARANTINED,
+    TAINT_PLATFORM_UNTRUSTED,
+    TokenReviewer,
+)
+from xds.state import Status, Trigger
+
+pytestmark = pytest.mark.integration
+
+GOOD = bytes.fromhex("a1" * 48)
+BAD = bytes.fromhex("b2" * 48)
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+GROUP_VERSION = "attestmesh.dev/v1alpha1"
+SHOP = "shop"  # labelled attestmesh.dev/inject=enabled: the webhook injects here
+STORE = "store"  # not labelled: pods here are stored as sent (pre-injected fixtures)
+WEBHOOK = "attestmesh-sidecar-injector"
+
+
+@dataclass
+class Env:
+    cluster: Cluster
+    admin: Rest
+    kubeconfig: Path  # the control plane's: its ServiceAccount's token
+    webhook_port: int
+    sim_key: Path
+
+
+def _ns(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": labels or {}},
+    }
+
+
+def _sa(ns: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": name, "namespace": ns},
+        "automountServiceAccountToken": False,
+    }
+
+
+def service_account_token(admin: Rest, ns: str, sa: str, **spec: Any) -> str:
+    body = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600, **spec},
+    }
+    out = admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", body)
+    return str(out["status"]["token"])
+
+
+@pytest.fixture(scope="module")
+def env(
+    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Env]:
+    admin.apply(_ns(SHOP, {"attestmesh.dev/inject": "enabled"}))
+    admin.apply(_ns(STORE))
+    for ns in (SHOP, STORE):
+        admin.apply(_sa(ns, "web"))
+        admin.apply(_sa(ns, "other"))
+    token = service_account_token(admin, "attestmesh-system", "attestmesh-controlplane")
+    kubeconfig = cluster.token_kubeconfig("controlplane", token)
+    port = free_port()
+    hook = admin.get(
+        "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", None, WEBHOOK
+    )
+    for h in hook["webhooks"]:
+        h["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate/pods"}
+    admin.call(
+        "PUT",
+        admin.path(
+            "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", None, WEBHOOK
+        ),
+        hook,
+    )
+    key = tmp_path_factory.mktemp("sim") / "platform.pem"
+    key.write_bytes(
+        PLATFORM.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    yield Env(cluster, admin, kubeconfig, port, key)
+
+
+@dataclass
+class Plane:
+    running: Running
+    mode: KubeMode
+    settings: ControlPlaneSettings
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.settings.api_port}"
+
+    def agent(self, workload: str, token: str, measurement: bytes = GOOD) -> Agent:
+        class Sink:
+            def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
+                pass
+
+        return Agent(
+            url=self.url,
+            workload=workload,
+            source=SimEvidenceSource(PLATFORM, measurement),
+            sink=Sink(),
+            ssl_context=client_ssl_context(self.running.bundle_pem),
+            token=lambda: token,
+        )
+
+
+@contextlib.asynccontextmanager
+async def control_plane(env: Env, state_dir: Path, identity: str = "cp-0") -> AsyncIterator[Plane]:
+    settings = ControlPlaneSettings(
+        state_dir=state_dir,
+        sim_platform_keys=(env.sim_key,),
+        api_port=free_port(),
+        xds_port=free_port(),
+        ops_port=free_port(),
+        deadline_check=timedelta(seconds=1),
+    )
+    metrics = Metrics()
+    mode = KubeMode(
+        connect(env.kubeconfig, 10),  # what `controlplane --kubernetes --kubeconfig` does
+        KubeSettings(
+            identity=identity,
+            webhook_host="127.0.0.1",
+            webhook_port=env.webhook_port,
+            webhook_configuration=WEBHOOK,
+            probe_host="127.0.0.1",
+            probe_port=free_port(),
+            retry_period=timedelta(seconds=0.5),
+            watch_timeout=30,
+            inject=InjectConfig(sim=SimInjection(GOOD.hex())),  # a test cluster
+        ),
+        metrics,
+        state_dir=state_dir,
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        run_control_plane(settings, stop, ready, metrics=metrics, hooks=mode.hooks())
+    )
+    try:
+        running = await asyncio.wait_for(ready, 20)
+        await asyncio.wait_for(mode.synced.wait(), 20)
+        bundle = base64.b64encode(running.cp.ca.bundle_pem).decode()
+
+        def bundled() -> bool:
+            hook = env.admin.get(
+                "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", None, WEBHOOK
+            )
+            return all(h["clientConfig"].get("caBundle") == bundle for h in hook["webhooks"])
+
+        if mode.elector.is_leader:
+            await until(bundled, what="caBundle written")
+        yield Plane(running, mode, settings)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+def app_pod(
+    name: str,
+    ns: str,
+    *,
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": labels or {"app": "web"},
+            "annotations": annotations or {},
+        },
+        "spec": {
+            "serviceAccountName": "web",
+            "automountServiceAccountToken": False,
+            "containers": [{"name": "app", "image": "web:1", "ports": [{"containerPort": 8080}]}],
+            **spec,
+        },
+    }
+
+
+def injected_fixture_pod(name: str, ip: str) -> dict[str, Any]:
+    """A pod as the injector leaves it (annotations), stored as sent in the unlabelled ns."""
+    return app_pod(
+        name,
+        STORE,
+        annotations={
+            "attestmesh.dev/injected": "true",
+            "attestmesh.dev/inbound-port": "15006",
+            "attestmesh.dev/app-port": "8080",
+        },
+    )
+
+
+async def create(rest: Rest, doc: dict[str, Any]) -> tuple[int, Any]:
+    """POST through the server in a thread: the server may call our webhook on this loop."""
+    return await asyncio.to_thread(rest.status_of, "POST", rest.doc_path(doc, named=False), doc)
+
+
+async def running_pod(admin: Rest, doc: dict[str, Any], ip: str) -> dict[str, Any]:
+    """Create ``doc`` and give it the status a kubelet would (Running, pod IP)."""
+    status, body = await create(admin, doc)
+    assert status == 200, body.get("message")
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    return dict(
+        await asyncio.to_thread(
+            admin.patch,
+            "v1",
+            "Pod",
+            ns,
+            name,
+            {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}},
+            subresource="status",
+        )
+    )
+
+
+def policy(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": GROUP_VERSION,
+        "kind": "AttestationPolicy",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "selector": {"serviceAccounts": ["web"]},
+            "allowedTees": ["sim"],
+            "referenceValues": {"sim": {"measurement": [GOOD.hex()]}},
+            **spec,
+        },
+    }
+
+
+def webhook_decisions(plane: Plane) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in plane.mode.metrics.registry.collect():
+        if metric.name.startswith("attestmesh_webhook"):
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out[json.dumps(sample.labels, sort_keys=True)] = sample.value
+    return out
+
+
+async def test_webhook_mutates_pods_created_through_the_real_server(
+    env: Env, tmp_path: Path
+) -> None:
+    admin = env.admin
+    async with control_plane(env, tmp_path / "state"):
+        # control_plane() waited for its CA bundle in the webhook configuration (RBAC: get/patch
+        # on that one name)
+
+        # an opted-in pod: the real server calls the webhook, applies its patch, validates
+        sent = app_pod("web-1", SHOP, annotations={"attestmesh.dev/tee": "sim"})
+        status, body = await create(admin, sent)
+        # 1.20 validates init containers as run-to-completion (no native sidecars): their
+        # probes are refused, and nothing else of the mutated pod
+        assert status == 422, body
+        fields = sorted({c["field"] for c in body["details"]["causes"]})
+        assert fields == [
+            "spec.initContainers[1].startupProbe",
+            "spec.initContainers[2].readinessProbe",
+            "spec.initContainers[2].startupProbe",
+        ], body
+        assert all(
+            c["message"].endswith("must not be set for init containers")
+            for c in body["details"]["causes"]
+        ), body
+        # (the pod was sent without initContainers: the causes name the webhook's containers.)
+        # The same mutation without those three probes is what 1.20 can store: a dry-run create
+        # through the server's whole validation (the webhook answers already-injected)
+        cfg = InjectConfig(sim=SimInjection(GOOD.hex()), trust_domain="attestmesh.local")
+        result = mutate(sent, {"attestmesh.dev/inject": "enabled"}, cfg)
+        assert result.decision is Decision.INJECTED, result.message
+        mutated = apply_patch(sent, [dict(op) for op in result.patch])
+        for c in mutated["spec"]["initContainers"]:
+            for probe in ("startupProbe", "readinessProbe"):
+                c.pop(probe, None)
+        status, stored = await asyncio.to_thread(
+            admin.status_of,
+            "POST",
+            admin.path("v1", "Pod", SHOP),
+            mutated,
+            query={"dryRun": "All"},
+        )
+        assert status == 200, stored
+        names = [c["name"] for c in stored["spec"]["initContainers"]]
+        assert names == [c["name"] for c in mutated["spec"]["initContainers"]]
+        # 1.20 drops the native-sidecar restartPolicy it does not know (no field validation)
+        assert all("restartPolicy" not in c for c in stored["spec"]["initContainers"])
+        assert {v["name"] for v in stored["spec"]["volumes"]} == {
+            v["name"] for v in mutated["spec"]["volumes"]
+        }
+
+        # opted out by annotation: stored unchanged (the webhook answers allowed, no patch)
+        sent = app_pod(
+            "web-out",
+            SHOP,
+            annotations={"attestmesh.dev/inject": "false", "attestmesh.dev/tee": "sim"},
+        )
+        status, stored = await create(admin, sent)
+        assert status == 200, stored
+        assert "initContainers" not in stored["spec"]
+        assert "attestmesh.dev/injected" not in stored["metadata"]["annotations"]
+        # opted out by label: the objectSelector keeps the server from calling the webhook
+        sent = app_pod("web-out2", SHOP, labels={"attestmesh.dev/inject": "disabled"})
+        status, stored = await create(admin, sent)
+        assert status == 200 and "initContainers" not in stored["spec"], stored
+        # not opted in (plain namespace, no annotation): unchanged
+        status, stored = await create(admin, app_pod("plain", STORE))
+        assert status == 200 and "initContainers" not in stored["spec"], stored
+
+        # refused: the webhook's 403 and its reason reach the client through the server
+        for sent, why in (
+            (
+                app_pod("host", SHOP, annotations={"attestmesh.dev/tee": "sim"}, hostNetwork=True),
+                "hostNetwork",
+            ),
+            (app_pod("notee", SHOP), "no TEE chosen"),
+            (
+                app_pod("quantum", SHOP, annotations={"attestmesh.dev/tee": "quantum"}),
+                "'quantum' is not one of",
+            ),
+        ):
+            status, body = await create(admin, sent)
+            assert status == 403, body
+            assert body["reason"] == "Forbidden" and why in body["message"], body["message"]
+            assert 'admission webhook "inject.attestmesh.dev" denied the request' in body["message"]
+            assert (
+                await asyncio.to_thread(
+                    admin.get_or_none, "v1", "Pod", SHOP, sent["metadata"]["name"]
+                )
+                is None
+            )
+
+
+async def test_policies_pods_token_review_and_quarantine_through_the_server(
+    env: Env, tmp_path: Path
+) -> None:
+    admin = env.admin
+    await asyncio.to_thread(admin.apply, policy("web", STORE))
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "tee-node-1"}, "spec": {}}
+    await asyncio.to_thread(admin.apply, node)
+    async with control_plane(env, tmp_path / "state") as plane:
+        cp = plane.running.cp
+        # failurePolicy Fail: pods are created once the webhook serves
+        web0 = injected_fixture_pod("web-0", "10.1.0.5")
+        web0["spec"]["nodeName"] = "tee-node-1"
+        stored = await running_pod(admin, web0, "10.1.0.5")
+        uid = stored["metadata"]["uid"]
+        sibling = await running_pod(admin, injected_fixture_pod("web-1", "10.1.0.6"), "10.1.0.6")
+
+        await until(lambda: cp.state.workloads.get("store/web-0"), what="web-0 registered")
+        reg = cp.state.get("store/web-0").registration
+        assert (reg.service_account, reg.pod_uid, reg.inbound.address) == ("web", uid, "10.1.0.5")
+        assert [p.name for p in cp.policies] == ["store/web"]
+
+        # the leader accepted the policy in its status (RBAC: attestationpolicies/status patch)
+        def accepted() -> Any:
+            obj = admin.get(GROUP_VERSION, "AttestationPolicy", STORE, "web")
+            return next(
+                (
+                    c
+                    for c in (obj.get("status") or {}).get("conditions", [])
+                    if c["type"] == CONDITION_ACCEPTED
+                ),
+                None,
+            )
+
+        cond = await until(accepted, what="Accepted condition")
+        assert cond["status"] == "True"
+
+        # real TokenRequest tokens bound to a pod, audience attestmesh
+        def bound(pod: dict[str, Any], audience: str = "attestmesh") -> str:
+            return service_account_token(
+                admin, STORE, "web", audiences=[audience], expirationSeconds=600,
+                boundObjectRef={"kind": "Pod", "apiVersion": "v1", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]},
+            )  # fmt: skip
+
+        token = await asyncio.to_thread(bound, stored)
+        reviewed = await TokenReviewer(plane.mode.kube).verify_token(token)
+        assert (reviewed.namespace, reviewed.service_account) == (STORE, "web")
+        assert (reviewed.pod_name, reviewed.pod_uid) == ("web-0", uid)
+
+        async with aiohttp.ClientSession() as session:
+            cert = await plane.agent("store/web-0", token).attest_once(session)
+            assert cert.spiffe_id == "spiffe://attestmesh.local/ns/store/sa/web"
+            assert cp.status_of("store/web-0") is Status.ATTESTED
+            # the sibling's token (same service account), another audience, another account's
+            # unbound token: refused, nothing quarantined
+            others = [
+                await asyncio.to_thread(bound, sibling),
+                await asyncio.to_thread(bound, stored, "elsewhere"),
+                await asyncio.to_thread(
+                    service_account_token, admin, STORE, "web", audiences=["attestmesh"]
+                ),
+            ]
+            for other in others:
+                with pytest.raises(AgentError) as exc:
+                    await plane.agent("store/web-0", other).attest_once(session)
+                assert (exc.value.status, exc.value.reason) == (401, "identity_invalid")
+            assert cp.status_of("store/web-0") is Status.ATTESTED
+
+            # a tampered re-attestation: quarantine, acted on through the server
+            with pytest.raises(AgentError) as exc:
+                await plane.agent("store/web-0", token, BAD).attest_once(session)
+            assert exc.value.status == 403
+        assert cp.status_of("store/web-0") is Status.QUARANTINED
+        await plane.mode.drained()
+
+        def quarantined() -> Any:
+            pod = admin.get("v1", "Pod", STORE, "web-0")
+            conds = [
+                c for c in pod["status"].get("conditions", []) if c["type"] == CONDITION_ATTESTED
+            ]
+            labelled = (pod["metadata"].get("labels") or {}).get(LABEL_QUARANTINED) == "true"
+            return conds if labelled and conds else None
+
+        (cond,) = await until(quarantined, what="label and condition")
+        assert cond["status"] == "False" and cond["reason"] == "AppraisalFailed"
+        events = await asyncio.to_thread(admin.items, "v1", "Event", STORE)
+        (event,) = [
+            e
+            for e in events
+            if e["involvedObject"].get("name") == "web-0" and e["reason"] == "Quarantined"
+        ]
+        assert "measurement" in event["message"] and event["type"] == "Warning"
+
+        # a platform failure taints the node and labels it; evict: the pod goes through the
+        # eviction subresource
+        assert cp.quarantine(
+            "store/web-1", Trigger.TCB_REVOKED, "tcb_status_not_accepted: SNP TCB revoked",
+            code="tcb_status_not_accepted", platform=True,
+        )  # fmt: skip
+        await plane.mode.drained()
+        outcome = await plane.mode.actions.quarantine(
+            "store/web-0", "operator", Trigger.TCB_REVOKED, evict=True, platform_failed=True
+        )
+        assert outcome.evicted and outcome.node_tainted == "tee-node-1", outcome
+        node_now = await asyncio.to_thread(admin.get, "v1", "Node", None, "tee-node-1")
+        assert {
+            "key": TAINT_PLATFORM_UNTRUSTED,
+            "value": "true",
+            "effect": "NoSchedule",
+        } in node_now["spec"]["taints"]
+        assert node_now["metadata"]["labels"][LABEL_PLATFORM_UNTRUSTED] == "true"
+
+        # the server took the eviction (policy/v1beta1 on 1.20: it does not serve policy/v1):
+        # a bound pod is deleted gracefully, so without a kubelet it stays Terminating
+        def terminating() -> Any:
+            pod = admin.get_or_none("v1", "Pod", STORE, "web-0")
+            return pod is not None and pod["metadata"].get("deletionTimestamp")
+
+        await until(terminating, what="evicted (Terminating)")
+        # what the kubelet does once the containers stopped: the final delete
+        await asyncio.to_thread(
+            admin.call,
+            "DELETE",
+            admin.path("v1", "Pod", STORE, "web-0"),
+            {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0},
+        )
+        await until(lambda: "store/web-0" not in cp.state.workloads or None, what="unregistered")
