@@ -37,6 +37,7 @@ from attestmesh.controlplane import (
 )
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
+from attestmesh.tcb_monitor import build_tcb_monitor
 from certs import api
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.collateral.amd_kds import KdsCollateralSource
@@ -555,8 +556,11 @@ async def run_control_plane(
     warm()
     cache = SnapshotCache()
     async with aiohttp.ClientSession() as session:
-        cp, publisher, store = build_control_plane(
-            settings, metrics, cache, build_collateral_sources(settings, session), hooks
+        sources = build_collateral_sources(settings, session)
+        cp, publisher, store = build_control_plane(settings, metrics, cache, sources, hooks)
+        # continuous TCB re-evaluation over the online collateral (none: nothing to watch)
+        tcb = build_tcb_monitor(
+            cp, metrics, sources, load_roots(settings.roots_dir), lambda: datetime.now(UTC)
         )
         await cp.flushed()  # the registrations file is durable before anything is served
         tls = _api_tls()
@@ -603,6 +607,8 @@ async def run_control_plane(
                 tg.create_task(_deadlines(cp, settings, stop))
                 tg.create_task(_rotate_server_cert(contexts, lambda: cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
+                if tcb is not None:
+                    tg.create_task(tcb.run(stop))
                 if hooks is not None and hooks.run is not None:
                     tg.create_task(hooks.run(cp, stop))
         except AttestmeshError as exc:

@@ -22,15 +22,18 @@ import asyncio
 import contextlib
 import heapq
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol
 
+from certs.collateral.amd_kds import KdsCollateralSource
+from certs.collateral.intel_pcs import PcsCollateralSource
+from certs.collateral.roots import TrustRoots
 from certs.errors import AttestmeshError
-from certs.evidence.claims import Claims
+from certs.evidence.claims import Claims, Tee
 from certs.evidence.intel_dcap import DcapVerifier
-from certs.evidence.sev_snp import AmdChain
+from certs.evidence.sev_snp import AmdChain, parse_amd_chain
 from certs.policy import AttestationPolicy, OnTcbChange, policies_for
 from certs.tcb_reeval import (
     PlatformKey,
@@ -419,3 +422,32 @@ class TcbMonitor:
             len(findings),
         )
         return self._cp.apply_tcb_findings(findings, admitted=admitted)
+
+
+def build_tcb_monitor(
+    cp: ControlPlane,
+    metrics: Metrics,
+    sources: Mapping[Tee, object],
+    roots: TrustRoots,
+    clock: Callable[[], datetime],
+) -> TcbMonitor | None:
+    """The monitor for the online collateral sources the control plane was given (Intel PCS
+    for TDX/SGX, AMD KDS for SEV-SNP), anchored at the same roots as the verifiers; None when
+    there is no online source (collateral then only comes with the evidence)."""
+    intel = next(
+        (s for t in (Tee.TDX, Tee.SGX) if isinstance(s := sources.get(t), PcsCollateralSource)),
+        None,
+    )
+    amd = sources.get(Tee.SEV_SNP)
+    amd = amd if isinstance(amd, KdsCollateralSource) else None
+    if intel is None and amd is None:
+        return None
+    return TcbMonitor(
+        cp,
+        metrics,
+        clock,
+        intel=intel,
+        intel_verifier=DcapVerifier(roots.intel_sgx_root) if intel is not None else None,
+        amd=amd,
+        amd_chains=[parse_amd_chain(c) for c in roots.amd_chains] if amd is not None else (),
+    )

@@ -53,9 +53,11 @@ class OnTcbChange(enum.StrEnum):
 
 
 MAX_TCB_GRACE = timedelta(days=30)
-# Rejection codes a TCB change produces (collateral moving a platform's status, a policy
-# raising its minimum TCB): only these follow ``onTcbChange``.
-TCB_CHANGE_REASONS = frozenset({"tcb_status_not_accepted", "tcb_below_minimum"})
+# Rejection codes a TCB change produces (collateral moving a platform's status or naming new
+# advisories, a policy raising its minimum TCB): only these follow ``onTcbChange``.
+TCB_CHANGE_REASONS = frozenset(
+    {"tcb_status_not_accepted", "tcb_below_minimum", "advisories_not_allowed"}
+)
 
 
 # Reference-value key in the policy (camelCase, as in the CRD) -> claims.measurements key.
