@@ -303,3 +303,19 @@ async def test_the_control_plane_watches_the_online_sources_it_has(quarantining:
     assert await monitor.refresh() == []
     assert env.sample("attestmesh_tcb_collateral_refreshes_total", vendor="intel",
                       result="invalid") == 1.0  # fmt: skip
+
+
+async def test_a_policy_raising_its_tcb_bar_follows_on_tcb_change(tmp_path: Path) -> None:
+    lenient = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
+    env = make_env(tmp_path, lenient)
+    await env.attest("web-1", fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
+    assert env.cp.state.get("web-1").attestation.claims.tcb_status == "OutOfDate"
+    # the operator stops accepting OutOfDate: a TCB change, so the grace period applies
+    env.cp.set_policies([_policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")])
+    assert env.cp.status_of("web-1") is Status.ATTESTED
+    assert env.sample("attestmesh_tcb_reappraisals_total", outcome="deferred") == 1.0
+    env.clock.advance(minutes=11)
+    env.cp.check_deadlines()
+    assert env.cp.status_of("web-1") is Status.QUARANTINED
+    assert _kinds(env, "web-1")[-1][1] is Trigger.TCB_CHANGED
