@@ -66,6 +66,7 @@ __all__ = [
     "Migration",
     "SqliteStore",
     "StateStore",
+    "StoreConflict",
     "StoreError",
     "StoreReader",
     "StoreStats",
@@ -90,6 +91,19 @@ class StoreError(AttestmeshError):
     (``store_closed``)."""
 
 
+class StoreConflict(StoreError):
+    """A batch's ``expect`` did not hold: another writer changed those rows first. Nothing of
+    the batch was applied; ``current`` holds the stored rows of every expected name now."""
+
+    def __init__(self, current: Mapping[str, WorkloadState | None]) -> None:
+        super().__init__(
+            "store_conflict",
+            "changed by another writer since this decision read them: "
+            + ", ".join(sorted(current)),
+        )
+        self.current = dict(current)
+
+
 # ---------------------------------------------------------------------------------------------
 # The change set
 
@@ -101,6 +115,13 @@ class Batch:
     Within one batch, deletes apply after upserts and ``unrevoked`` after ``revoked`` (a name in
     both ``upserts`` and ``deletes`` ends deleted). Batches apply in the order they are written;
     a later batch's row replaces an earlier one's (``merge`` computes the same net effect).
+
+    ``expect`` makes the batch a decision taken on rows read earlier (by this replica, from its
+    memory): it applies only if, inside the committing transaction, every named workload's
+    stored row is still the one given (None: no row), else nothing of it is applied and its
+    writer gets ``StoreConflict`` with the rows stored now. Several replicas deciding about one
+    workload are so serialised by the database: the second decision, taken on a row the first
+    changed, is refused instead of overwriting it.
     """
 
     upserts: Mapping[str, WorkloadState] = field(default_factory=dict)  # name -> new row
@@ -108,6 +129,7 @@ class Batch:
     revoked: tuple[Revocation, ...] = ()  # revocations added
     unrevoked: frozenset[int] = frozenset()  # serials pruned from the CRL
     events: tuple[Event, ...] = ()
+    expect: Mapping[str, WorkloadState | None] = field(default_factory=dict)
 
     def empty(self) -> bool:
         return not (self.upserts or self.deletes or self.revoked or self.unrevoked or self.events)
@@ -118,7 +140,11 @@ def merge(batches: Iterable[Batch]) -> Batch:
     rows: dict[str, WorkloadState | None] = {}
     revs: dict[int, Revocation | None] = {}
     events: list[Event] = []
+    expect: dict[str, WorkloadState | None] = {}
     for b in batches:
+        for name, w in b.expect.items():  # later ones are about rows the merge itself wrote
+            if name not in rows and name not in expect:
+                expect[name] = w
         rows.update(b.upserts)
         rows.update(dict.fromkeys(b.deletes))
         revs.update((r.serial, r) for r in b.revoked)
@@ -130,6 +156,7 @@ def merge(batches: Iterable[Batch]) -> Batch:
         revoked=tuple(r for r in revs.values() if r is not None),
         unrevoked=frozenset(s for s, r in revs.items() if r is None),
         events=tuple(events),
+        expect=expect,
     )
 
 
@@ -203,7 +230,7 @@ class CommitBackend(Protocol):
         """The database, for messages (no credentials)."""
         ...
 
-    def commit_rows(self, rows: _Rows, batches: int) -> None: ...
+    def commit_group(self, group: Sequence[_Rows]) -> list[StoreConflict | None]: ...
 
     def stats(self) -> StoreStats: ...
 
@@ -531,6 +558,7 @@ class _Rows:
     workloads: dict[str, str | None] = field(default_factory=dict)
     revocations: dict[str, _RevocationRow | None] = field(default_factory=dict)
     events: list[_EventRow] = field(default_factory=list)
+    expect: dict[str, str | None] = field(default_factory=dict)  # name -> document (None: none)
 
     @classmethod
     def encode(cls, batch: Batch) -> _Rows:
@@ -573,7 +601,11 @@ class _Rows:
             )
             for e in batch.events
         ]
-        return cls(workloads, revocations, events)
+        expect = {
+            n: None if w is None else _encode_doc(workload_to_doc(w))
+            for n, w in batch.expect.items()
+        }
+        return cls(workloads, revocations, events, expect)
 
     def absorb(self, later: _Rows) -> None:
         self.workloads.update(later.workloads)
@@ -582,6 +614,54 @@ class _Rows:
 
     def count(self) -> int:
         return len(self.workloads) + len(self.revocations) + len(self.events)
+
+
+def _canonical(doc: str) -> str:
+    """A stored document as this code encodes it (documents written by older code lack fields
+    that decode to defaults; tuples and lists encode alike)."""
+    return _encode_doc(workload_to_doc(workload_from_doc(json.loads(doc))))
+
+
+def expected_names(group: Sequence[_Rows]) -> list[str]:
+    return sorted({n for rows in group for n in rows.expect})
+
+
+def decide_group(
+    stored: Mapping[str, str | None], group: Sequence[_Rows]
+) -> tuple[_Rows, list[StoreConflict | None], int]:
+    """Which batches of ``group`` apply, in order, given the stored documents of every expected
+    name (read inside the committing transaction, the rows locked): a batch applies if its
+    expectations hold against the rows as the earlier applied batches left them. Returns the
+    merged rows to write, per batch None or its conflict, and how many apply. Pure."""
+    view = {n: stored.get(n) for n in expected_names(group)}
+    merged = _Rows()
+    outcomes: list[StoreConflict | None] = []
+    applied = 0
+    for rows in group:
+        bad = [n for n, want in rows.expect.items() if not _same_doc(view.get(n), want)]
+        if bad:
+            outcomes.append(
+                StoreConflict(
+                    {
+                        n: None if (d := view.get(n)) is None else workload_from_doc(json.loads(d))
+                        for n in rows.expect
+                    }
+                )
+            )
+            continue
+        merged.absorb(rows)
+        for n, doc in rows.workloads.items():
+            if n in view:
+                view[n] = doc
+        outcomes.append(None)
+        applied += 1
+    return merged, outcomes, applied
+
+
+def _same_doc(stored: str | None, want: str | None) -> bool:
+    if stored is None or want is None:
+        return stored is want
+    return stored == want or _canonical(stored) == want
 
 
 class SqliteStore:
@@ -652,50 +732,43 @@ class SqliteStore:
         return _events(self._db, workload, limit)
 
     def write(self, batch: Batch) -> None:
-        """Commit ``batch`` in one transaction; durable when this returns."""
+        """Commit ``batch`` in one transaction; durable when this returns (``StoreConflict``:
+        its expectations did not hold, nothing applied)."""
         if not batch.empty():
-            self.commit_rows(_Rows.encode(batch), 1)
+            (conflict,) = self.commit_group([_Rows.encode(batch)])
+            if conflict is not None:
+                raise conflict
 
-    def write_group(self, batches: Sequence[Batch]) -> None:
-        """Commit several batches, applied in order, in one transaction (one fsync)."""
-        rows = _Rows()
-        for b in batches:
-            rows.absorb(_Rows.encode(b))
-        if rows.count():
-            self.commit_rows(rows, len(batches))
+    def write_group(self, batches: Sequence[Batch]) -> list[StoreConflict | None]:
+        """Commit several batches, applied in order, in one transaction (one fsync); per batch
+        None (applied) or its conflict."""
+        return self.commit_group([_Rows.encode(b) for b in batches])
 
     def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
         self.write(diff(old, new, events))
 
-    def commit_rows(self, rows: _Rows, batches: int) -> None:
-        """Commit encoded rows in one transaction (the caller owns this connection)."""
+    def commit_group(self, group: Sequence[_Rows]) -> list[StoreConflict | None]:
+        """Commit encoded batches in one transaction, each only if its expectations hold
+        (``decide_group``); the caller owns this connection."""
+        if not any(r.count() or r.expect for r in group):
+            return [None] * len(group)
         started = time.perf_counter()
-        upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
-        deletes = [(n,) for n, d in rows.workloads.items() if d is None]
-        revoked = [r for r in rows.revocations.values() if r is not None]
-        unrevoked = [(s,) for s, r in rows.revocations.items() if r is None]
-        pruned_below = self._pruned_below
         cur = self._db.cursor()
         try:
-            cur.execute("BEGIN IMMEDIATE")
-            cur.executemany(
-                "INSERT INTO workloads(name, doc) VALUES(?, ?) "
-                "ON CONFLICT(name) DO UPDATE SET doc = excluded.doc",
-                upserts,
-            )
-            cur.executemany("DELETE FROM workloads WHERE name = ?", deletes)
-            cur.executemany("INSERT OR REPLACE INTO revocations VALUES(?, ?, ?, ?)", revoked)
-            cur.executemany("DELETE FROM revocations WHERE serial = ?", unrevoked)
-            cur.executemany(
-                "INSERT INTO events(at, kind, workload, trigger, reason, code, platform) "
-                "VALUES(?, ?, ?, ?, ?, ?, ?)",
-                rows.events,
-            )
-            if rows.events:
-                last = cur.execute("SELECT last_insert_rowid()").fetchone()[0]
-                if last - self.max_events > pruned_below + self.prune_slack:
-                    pruned_below = last - self.max_events
-                    cur.execute("DELETE FROM events WHERE id <= ?", (pruned_below,))
+            cur.execute("BEGIN IMMEDIATE")  # the write lock: nobody changes a row read below
+            stored: dict[str, str | None] = {}
+            names = expected_names(group)
+            for i in range(0, len(names), 500):
+                chunk = names[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                stored.update(
+                    cur.execute(
+                        f"SELECT name, doc FROM workloads WHERE name IN ({marks})",  # noqa: S608
+                        chunk,
+                    ).fetchall()
+                )
+            rows, outcomes, applied = decide_group(stored, group)
+            pruned_below = self._write_rows(cur, rows)
             cur.execute("COMMIT")
         except BaseException as exc:
             self._rollback()
@@ -705,10 +778,38 @@ class SqliteStore:
             raise
         self._pruned_below = pruned_below
         self.commits += 1
-        self.batches += batches
+        self.batches += applied
         self.rows += rows.count()
         self.commit_seconds += time.perf_counter() - started
-        self.max_group = max(self.max_group, batches)
+        self.max_group = max(self.max_group, applied)
+        return outcomes
+
+    def _write_rows(self, cur: sqlite3.Cursor, rows: _Rows) -> int:
+        """The rows' statements, inside the caller's transaction; returns the new pruning mark."""
+        upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
+        deletes = [(n,) for n, d in rows.workloads.items() if d is None]
+        revoked = [r for r in rows.revocations.values() if r is not None]
+        unrevoked = [(s,) for s, r in rows.revocations.items() if r is None]
+        pruned_below = self._pruned_below
+        cur.executemany(
+            "INSERT INTO workloads(name, doc) VALUES(?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET doc = excluded.doc",
+            upserts,
+        )
+        cur.executemany("DELETE FROM workloads WHERE name = ?", deletes)
+        cur.executemany("INSERT OR REPLACE INTO revocations VALUES(?, ?, ?, ?)", revoked)
+        cur.executemany("DELETE FROM revocations WHERE serial = ?", unrevoked)
+        cur.executemany(
+            "INSERT INTO events(at, kind, workload, trigger, reason, code, platform) "
+            "VALUES(?, ?, ?, ?, ?, ?, ?)",
+            rows.events,
+        )
+        if rows.events:
+            last = cur.execute("SELECT last_insert_rowid()").fetchone()[0]
+            if last - self.max_events > pruned_below + self.prune_slack:
+                pruned_below = last - self.max_events
+                cur.execute("DELETE FROM events WHERE id <= ?", (pruned_below,))
+        return pruned_below
 
     def _rollback(self) -> None:
         try:
@@ -875,22 +976,24 @@ class GroupCommitStore:
 
     def _write_group(self, group: list[_Pending]) -> None:
         outcomes: list[tuple[_Pending, BaseException | None]] = []
-        rows = _Rows()
-        batches = 0
+        encoded: list[tuple[int, _Rows]] = []  # (index in outcomes, rows)
         for p in group:
             try:
-                encoded = _Rows.encode(p.batch)
+                rows = _Rows.encode(p.batch)
             except Exception as exc:  # this batch alone fails
                 outcomes.append((p, exc))
                 continue
-            rows.absorb(encoded)
-            batches += 1
+            encoded.append((len(outcomes), rows))
             outcomes.append((p, None))
-        if batches:
+        if encoded:
             try:
-                self._store.commit_rows(rows, batches)
+                conflicts = self._store.commit_group([rows for _, rows in encoded])
             except Exception as exc:
                 outcomes = [(p, exc if e is None else e) for p, e in outcomes]
+            else:
+                for (i, _), conflict in zip(encoded, conflicts, strict=True):
+                    if conflict is not None:
+                        outcomes[i] = (outcomes[i][0], conflict)
         self._resolve(outcomes)
 
     @staticmethod

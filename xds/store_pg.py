@@ -43,12 +43,15 @@ from xds.store import (
     Migration,
     SqliteStore,
     StateStore,
+    StoreConflict,
     StoreError,
     StoreReader,
     StoreStats,
     _from_iso,
     _Rows,
+    decide_group,
     diff,
+    expected_names,
     workload_from_doc,
 )
 
@@ -63,8 +66,10 @@ __all__ = [
     "redact_url",
 ]
 
-# pg_advisory_xact_lock key serialising schema migrations ("attestmesh schema" in ASCII, folded)
+# pg_advisory_xact_lock key serialising schema migrations ("attestms" in ASCII)
 MIGRATION_LOCK = 0x6174_7465_7374_6D73
+# the first key of the two-key advisory locks taken per workload name (hashtext) by a commit
+ROW_LOCK_SPACE = 0x616D_7277  # "amrw"
 CONNECT_TIMEOUT_SECONDS = 5
 
 PG_MIGRATIONS: tuple[Migration, ...] = (
@@ -323,25 +328,30 @@ class PostgresStore:
         return events
 
     def write(self, batch: Batch) -> None:
-        """Commit ``batch`` in one transaction; durable when this returns."""
+        """Commit ``batch`` in one transaction; durable when this returns (``StoreConflict``:
+        its expectations did not hold, nothing applied)."""
         if not batch.empty():
-            self.commit_rows(_Rows.encode(batch), 1)
+            (conflict,) = self.commit_group([_Rows.encode(batch)])
+            if conflict is not None:
+                raise conflict
 
-    def write_group(self, batches: Sequence[Batch]) -> None:
-        rows = _Rows()
-        for b in batches:
-            rows.absorb(_Rows.encode(b))
-        if rows.count():
-            self.commit_rows(rows, len(batches))
+    def write_group(self, batches: Sequence[Batch]) -> list[StoreConflict | None]:
+        return self.commit_group([_Rows.encode(b) for b in batches])
 
     def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
         self.write(diff(old, new, events))
 
-    def commit_rows(self, rows: _Rows, batches: int) -> None:
+    def commit_group(self, group: Sequence[_Rows]) -> list[StoreConflict | None]:
+        """Commit encoded batches in one transaction, each only if its expectations hold
+        (``decide_group``). Every workload named by the group (expected or written) is locked
+        first (a transaction-scoped advisory lock per name, taken in one order by every
+        replica), so a row read for a decision cannot change before the decision is written."""
+        if not any(r.count() or r.expect for r in group):
+            return [None] * len(group)
         started = time.perf_counter()
         with self._c._lock:
             try:
-                pruned_below = self._commit(self._c.get(), rows)
+                rows, outcomes, applied, pruned_below = self._commit(self._c.get(), group)
             except psycopg.Error as exc:
                 self._c.discard_if_broken()
                 self.failed_commits += 1
@@ -354,52 +364,76 @@ class PostgresStore:
                 raise
         self._pruned_below = pruned_below
         self.commits += 1
-        self.batches += batches
+        self.batches += applied
         self.rows += rows.count()
         self.commit_seconds += time.perf_counter() - started
-        self.max_group = max(self.max_group, batches)
+        self.max_group = max(self.max_group, applied)
+        return outcomes
 
-    def _commit(self, conn: psycopg.Connection[Any], rows: _Rows) -> int:
+    def _commit(
+        self, conn: psycopg.Connection[Any], group: Sequence[_Rows]
+    ) -> tuple[_Rows, list[StoreConflict | None], int, int]:
+        with conn.transaction():
+            names = sorted({n for r in group for n in (*r.expect, *r.workloads)})
+            if names:
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(%s, h) FROM "
+                    "(SELECT DISTINCT hashtext(n) AS h FROM unnest(%s::text[]) AS n ORDER BY 1) s",
+                    (ROW_LOCK_SPACE, names),
+                )
+            expected = expected_names(group)
+            stored: dict[str, str | None] = {}
+            if expected:
+                stored.update(
+                    conn.execute(
+                        "SELECT name, doc FROM workloads WHERE name = ANY(%s::text[])",
+                        (expected,),
+                    ).fetchall()
+                )
+            rows, outcomes, applied = decide_group(stored, group)
+            pruned_below = self._write_rows(conn, rows)
+        return rows, outcomes, applied, pruned_below
+
+    def _write_rows(self, conn: psycopg.Connection[Any], rows: _Rows) -> int:
         upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
         deletes = [n for n, d in rows.workloads.items() if d is None]
         revoked = [r for r in rows.revocations.values() if r is not None]
         unrevoked = [s for s, r in rows.revocations.items() if r is None]
         pruned_below = self._pruned_below
-        with conn.transaction():
-            if upserts:
-                conn.execute(
-                    "INSERT INTO workloads(name, doc) "
-                    "SELECT * FROM unnest(%s::text[], %s::text[]) "
-                    "ON CONFLICT (name) DO UPDATE SET doc = EXCLUDED.doc",
-                    ([n for n, _ in upserts], [d for _, d in upserts]),
-                )
-            if deletes:
-                conn.execute("DELETE FROM workloads WHERE name = ANY(%s::text[])", (deletes,))
-            if revoked:
-                conn.execute(
-                    "INSERT INTO revocations(serial, workload, not_after, revoked_at) "
-                    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
-                    "ON CONFLICT (serial) DO UPDATE SET workload = EXCLUDED.workload, "
-                    "not_after = EXCLUDED.not_after, revoked_at = EXCLUDED.revoked_at",
-                    tuple([r[i] for r in revoked] for i in range(4)),
-                )
-            if unrevoked:
-                conn.execute("DELETE FROM revocations WHERE serial = ANY(%s::text[])", (unrevoked,))
-            if rows.events:
-                columns = tuple([e[i] for e in rows.events] for i in range(7))
-                conn.execute(
-                    "INSERT INTO events(at, kind, workload, trigger, reason, code, platform) "
-                    "SELECT at, kind, workload, trigger, reason, code, platform FROM unnest("
-                    "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
-                    "%s::integer[]) WITH ORDINALITY "
-                    "AS u(at, kind, workload, trigger, reason, code, platform, n) ORDER BY n",
-                    columns,
-                )
-                got = conn.execute("SELECT currval(pg_get_serial_sequence('events', 'id'))")
-                last = int(got.fetchone()[0])  # type: ignore[index]
-                if last - self.max_events > pruned_below + self.prune_slack:
-                    pruned_below = last - self.max_events
-                    conn.execute("DELETE FROM events WHERE id <= %s", (pruned_below,))
+        if upserts:
+            conn.execute(
+                "INSERT INTO workloads(name, doc) "
+                "SELECT * FROM unnest(%s::text[], %s::text[]) "
+                "ON CONFLICT (name) DO UPDATE SET doc = EXCLUDED.doc",
+                ([n for n, _ in upserts], [d for _, d in upserts]),
+            )
+        if deletes:
+            conn.execute("DELETE FROM workloads WHERE name = ANY(%s::text[])", (deletes,))
+        if revoked:
+            conn.execute(
+                "INSERT INTO revocations(serial, workload, not_after, revoked_at) "
+                "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+                "ON CONFLICT (serial) DO UPDATE SET workload = EXCLUDED.workload, "
+                "not_after = EXCLUDED.not_after, revoked_at = EXCLUDED.revoked_at",
+                tuple([r[i] for r in revoked] for i in range(4)),
+            )
+        if unrevoked:
+            conn.execute("DELETE FROM revocations WHERE serial = ANY(%s::text[])", (unrevoked,))
+        if rows.events:
+            columns = tuple([e[i] for e in rows.events] for i in range(7))
+            conn.execute(
+                "INSERT INTO events(at, kind, workload, trigger, reason, code, platform) "
+                "SELECT at, kind, workload, trigger, reason, code, platform FROM unnest("
+                "%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+                "%s::integer[]) WITH ORDINALITY "
+                "AS u(at, kind, workload, trigger, reason, code, platform, n) ORDER BY n",
+                columns,
+            )
+            got = conn.execute("SELECT currval(pg_get_serial_sequence('events', 'id'))")
+            last = int(got.fetchone()[0])  # type: ignore[index]
+            if last - self.max_events > pruned_below + self.prune_slack:
+                pruned_below = last - self.max_events
+                conn.execute("DELETE FROM events WHERE id <= %s", (pruned_below,))
         return pruned_below
 
 

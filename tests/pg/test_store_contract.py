@@ -4,6 +4,7 @@ PostgreSQL server (tests/pg_harness.py). Same batches in, same state out."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -29,6 +30,7 @@ from xds.store import (
     Batch,
     Migration,
     SqliteStore,
+    StoreConflict,
     StoreError,
     merge,
 )
@@ -418,3 +420,88 @@ def test_kill_9_of_the_writer_loses_nothing_acknowledged(backend: Backend) -> No
         assert {f"w{k}" for k in acked} <= logged
     finally:
         s.close()
+
+
+# -- decisions taken on rows read earlier: expectations --------------------------------------
+
+
+def test_a_batch_applies_only_while_the_rows_it_read_are_unchanged(store: Store) -> None:
+    store.write(Batch(upserts={"a": wl("a", 1)}, expect={"a": None}))
+    store.write(Batch(upserts={"a": wl("a", 2)}, expect={"a": wl("a", 1)}, events=(ev("a", "2"),)))
+    with pytest.raises(StoreConflict) as stale:  # decided on serial 1's row: refused
+        store.write(
+            Batch(
+                upserts={"a": wl("a", 3)},
+                revoked=(rev(77),),
+                events=(ev("a", "3"),),
+                expect={"a": wl("a", 1)},
+            )
+        )
+    assert stale.value.reason == "store_conflict"
+    assert stale.value.current == {"a": wl("a", 2)}
+    with pytest.raises(StoreConflict) as exists:  # "no row yet" no longer holds
+        store.write(Batch(upserts={"a": wl("a", 9)}, expect={"a": None}))
+    assert exists.value.current == {"a": wl("a", 2)}
+    with pytest.raises(StoreConflict) as gone:
+        store.write(Batch(deletes=frozenset({"b"}), expect={"b": wl("b")}))
+    assert gone.value.current == {"b": None}
+    assert store.load(TRUST_DOMAIN) == MeshState(TRUST_DOMAIN, {"a": wl("a", 2)})
+    assert [e.reason for e in store.events()] == ["2"]  # nothing of a refused batch
+
+
+def test_in_a_group_each_batch_is_checked_against_the_earlier_ones(store: Store) -> None:
+    store.write(Batch(upserts={"a": wl("a", 1)}))
+    outcomes = store.write_group(
+        [
+            Batch(upserts={"a": wl("a", 2)}, expect={"a": wl("a", 1)}),
+            Batch(upserts={"a": wl("a", 3)}, expect={"a": wl("a", 2)}),  # sees the first
+            Batch(upserts={"a": wl("a", 4)}, expect={"a": wl("a", 1)}),  # stale: refused alone
+            Batch(upserts={"b": wl("b")}, expect={"b": None}, events=(ev("b"),)),
+            Batch(deletes=frozenset({"a"}), expect={"a": wl("a", 3)}),
+        ]
+    )
+    assert [type(o).__name__ for o in outcomes] == [
+        "NoneType", "NoneType", "StoreConflict", "NoneType", "NoneType"
+    ]  # fmt: skip
+    conflict = outcomes[2]
+    assert conflict is not None and conflict.current == {"a": wl("a", 3)}
+    assert store.load(TRUST_DOMAIN) == MeshState(TRUST_DOMAIN, {"b": wl("b")})
+    assert store.stats().batches == 1 + 4
+
+
+def test_a_row_written_by_older_code_matches_its_decoded_self(
+    store: Store, backend: Backend
+) -> None:
+    from xds.store import workload_from_doc, workload_to_doc
+
+    doc = workload_to_doc(wl("a", 5))
+    del doc["registration"]["ready"], doc["registration"]["pod_uid"]  # before those fields
+    backend.sql("INSERT INTO workloads(name, doc) VALUES(?, ?)", ("a", json.dumps(doc)))
+    read = workload_from_doc(json.loads(json.dumps(doc)))
+    store.write(Batch(upserts={"a": wl("a", 6)}, expect={"a": read}))
+    assert store.load(TRUST_DOMAIN).workloads == {"a": wl("a", 6)}
+
+
+async def test_group_commit_refuses_a_stale_decision_alone(backend: Backend) -> None:
+    gc = open_store(backend.spec)
+    try:
+        first = gc.write(Batch(upserts={"a": wl("a", 1)}, expect={"a": None}))
+        second = gc.write(Batch(upserts={"a": wl("a", 2)}, expect={"a": wl("a", 1)}))
+        stale = gc.write(Batch(upserts={"a": wl("a", 3)}, expect={"a": wl("a", 1)}))
+        other = gc.write(Batch(upserts={"b": wl("b")}))
+        got = await asyncio.gather(first, second, stale, other, return_exceptions=True)  # type: ignore[arg-type]
+        assert got[0] is None and got[1] is None and got[3] is None
+        assert isinstance(got[2], StoreConflict) and got[2].current == {"a": wl("a", 2)}
+        assert gc.load(TRUST_DOMAIN).workloads == {"a": wl("a", 2), "b": wl("b")}
+    finally:
+        gc.close()
+
+
+def test_merge_keeps_the_expectations_about_rows_it_did_not_write() -> None:
+    merged = merge(
+        [
+            Batch(upserts={"a": wl("a", 2)}, expect={"a": wl("a", 1), "c": None}),
+            Batch(upserts={"a": wl("a", 3)}, expect={"a": wl("a", 2), "b": wl("b")}),
+        ]
+    )
+    assert merged.expect == {"a": wl("a", 1), "c": None, "b": wl("b")}
