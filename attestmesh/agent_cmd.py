@@ -22,6 +22,7 @@ from certs.errors import AttestmeshError
 from sidecar.agent import Agent, EvidenceSource, SimEvidenceSource, client_ssl_context
 from sidecar.collectors import DEVICE_TEES, device_source
 from sidecar.sds import LocalSds, start_sds
+from sidecar.secrets import FanOut, SecretFetcher, start_socket
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
     a.add_argument("--device", type=Path, help="override the TEE device path")
     a.add_argument("--sim-platform-key", type=Path, help="sim: the simulated platform private key")
     a.add_argument("--sim-measurement", help="sim: the measurement to report (96 hex chars)")
+    g = a.add_argument_group("secrets", "secrets released by SecretPolicy (OpenBao), sealed")
+    g.add_argument("--secret", action="append", help="secret to fetch: name or namespace/name")
+    g.add_argument("--secret-url", help="the control plane's secret port, https://host:8444")
+    g.add_argument("--secret-dir", type=Path, help="write <dir>/<secret>/<key> (memory volume)")
+    g.add_argument("--secret-socket", type=Path, help="serve GET /v1/secrets/<name> here")
+    g.add_argument("--secret-poll", type=float, default=30.0, help="seconds between checks")
+    g.add_argument(
+        "--secret-file-mode", type=lambda v: int(v, 8), default=0o400, help="octal (0400)"
+    )
     return a
 
 
@@ -171,6 +181,29 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _secret_fetcher(
+    args: argparse.Namespace, bundle: bytes
+) -> tuple[SecretFetcher | None, Any]:
+    if not args.secret:
+        return None, None
+    if not args.secret_url or not (args.secret_dir or args.secret_socket):
+        raise AttestmeshError(
+            "usage", "--secret needs --secret-url and --secret-dir and/or --secret-socket"
+        )
+    fetcher = SecretFetcher(
+        url=args.secret_url,
+        workload=args.workload,
+        secrets=args.secret,
+        bundle_pem=bundle,
+        directory=args.secret_dir,
+        tls_dir=(args.secret_dir or args.secret_socket.parent) / ".tls",
+        poll_s=args.secret_poll,
+        file_mode=args.secret_file_mode,
+    )
+    runner = await start_socket(fetcher, args.secret_socket) if args.secret_socket else None
+    return fetcher, runner
+
+
 def run_agent(args: argparse.Namespace) -> int:
     check_agent_args(args)
     if args.check:
@@ -188,17 +221,25 @@ def run_agent(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        fetcher, socket_runner = await _secret_fetcher(args, bundle)
         agent = Agent(
             url=args.control_plane,
             workload=args.workload,
             source=source,
-            sink=sds,
+            sink=sds if fetcher is None else FanOut(sds, fetcher),
             ssl_context=client_ssl_context(bundle),
             token=token,
         )
         try:
-            await agent.run(stop)
+            if fetcher is None:
+                await agent.run(stop)
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(agent.run(stop))
+                    tg.create_task(fetcher.run(stop))
         finally:
+            if socket_runner is not None:
+                await socket_runner.cleanup()
             server.close()
             await server.wait_closed()
             with contextlib.suppress(OSError):

@@ -104,6 +104,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         server_names = (*kube_settings.service_dns_names(), "localhost")
 
     from attestmesh.listen import limits_from_args
+    from attestmesh.secret_release import settings_from_args as secret_settings_from_args
 
     try:
         listen = limits_from_args(args)
@@ -131,6 +132,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         intel_root_ca_crl_url=args.intel_root_ca_crl_url,
         server_names=server_names,
         store=args.store,
+        secrets=secret_settings_from_args(args),
     )
 
     async def main() -> None:
@@ -332,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="PEM public key of a simulated platform; enables the sim verifier (tests/demo only)",
     )
+    from attestmesh.secret_release import add_arguments as add_secret_arguments
+
+    add_secret_arguments(cp)
     k = cp.add_argument_group(
         "Kubernetes mode",
         "policies from AttestationPolicy/MeshPolicy resources, workloads from injected pods, "

@@ -680,6 +680,13 @@ class ControlPlane:
     def events(self, workload: str | None = None) -> list[Event]:
         return self._store.events(workload)
 
+    async def record_events(self, events: Sequence[Event]) -> None:
+        """Persist (and announce) events that change no state, e.g. the audit of a secret
+        release; returns once they are durable (raises if the store has failed)."""
+        durable = self._apply(self._state, events, ())
+        if durable is not None:
+            await asyncio.shield(durable)
+
 
 def _serial_of(issuer: Issuer | None) -> str:
     return "-" if issuer is None else format(issuer.cert.serial_number, "x")

@@ -94,3 +94,10 @@ class Metrics:
             "notAfter of the signing intermediate CA (Unix time); rotation keeps it months ahead",
             registry=r,
         )
+        self.secret_requests = Counter(
+            "attestmesh_secret_requests_total",
+            "Secret requests by operation (read, wrap, unwrap), result (released, unchanged, "
+            "refused, error) and reason",
+            ["operation", "result", "reason"],
+            registry=r,
+        )

@@ -27,6 +27,7 @@ from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from attestmesh import secret_release
 from attestmesh.controlplane import (
     AttestationLimiter,
     CollateralSource,
@@ -37,6 +38,7 @@ from attestmesh.controlplane import (
 )
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
+from attestmesh.secret_release import SecretReleaseSettings
 from attestmesh.tcb_monitor import build_tcb_monitor
 from certs import api
 from certs.ca import CertificateAuthority, issue_serving_credentials
@@ -93,6 +95,7 @@ class ControlPlaneSettings:
     policy_poll: timedelta = timedelta(seconds=2)
     server_names: tuple[str, ...] = field(default=("localhost",))
     listen: ListenLimits = field(default_factory=ListenLimits)  # every port: timeouts, caps
+    secrets: SecretReleaseSettings | None = None  # secret release (OpenBao) on its own port
     # None: SQLite at <state_dir>/state.sqlite3 (one replica); postgresql://...: the shared
     # PostgreSQL store of several replicas (xds.store_pg)
     store: str | None = None
@@ -556,6 +559,10 @@ async def run_control_plane(
     warm()
     cache = SnapshotCache()
     async with aiohttp.ClientSession() as session:
+        secret_policies = None
+        if settings.secrets is not None:  # refused before any state is opened
+            settings.secrets.check()
+            secret_policies = secret_release.load_secret_policies(settings.secrets.policy_file)
         sources = build_collateral_sources(settings, session)
         cp, publisher, store = build_control_plane(settings, metrics, cache, sources, hooks)
         # continuous TCB re-evaluation over the online collateral (none: nothing to watch)
@@ -572,6 +579,7 @@ async def run_control_plane(
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
         grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
+        secret_runner: web.AppRunner | None = None
         try:
             await api_runner.setup()
             await ops_runner.setup()
@@ -593,6 +601,14 @@ async def run_control_plane(
                 grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds",
                 on_refused=on_refused,
             )  # fmt: skip
+            if settings.secrets is not None and secret_policies is not None:
+                secret_tls = secret_release.secrets_tls(cp.ca.bundle_pem)
+                contexts.append(secret_tls)
+                _load_server_cert([secret_tls], cp.ca, settings, datetime.now(UTC))
+                secret_runner = await secret_release.start(
+                    settings.secrets, cp, secret_policies, metrics, session, secret_tls,
+                    settings.host, lim, on_refused,
+                )  # fmt: skip
             log.info(
                 "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
                 settings.host,
@@ -609,6 +625,10 @@ async def run_control_plane(
                 tg.create_task(_policy_watch(cp, settings, stop))
                 if tcb is not None:
                     tg.create_task(tcb.run(stop))
+                if settings.secrets is not None and secret_policies is not None:
+                    tg.create_task(
+                        secret_release.watch(settings.secrets, secret_policies, metrics, stop)
+                    )
                 if hooks is not None and hooks.run is not None:
                     tg.create_task(hooks.run(cp, stop))
         except AttestmeshError as exc:
@@ -620,4 +640,6 @@ async def run_control_plane(
             await grpc.wait_closed()
             await api_runner.cleanup()
             await ops_runner.cleanup()
+            if secret_runner is not None:
+                await secret_runner.cleanup()
             store.close()

@@ -89,6 +89,7 @@ import copy
 import enum
 import json
 import logging
+import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -158,6 +159,12 @@ TEE_HOST_TAINTS: Mapping[Tee, str] = {
     Tee.SGX: "attestmesh.dev/tee-host.sgx",
 }
 SGX_ENCLAVE = "sgx.intel.com/enclave"
+# Secret release (SecretPolicy): the pod lists what its agent fetches; the agent writes them to
+# a memory-backed volume every application container mounts read-only.
+ANNOTATION_SECRETS = "attestmesh.dev/secrets"
+SECRETS_VOLUME = "attestmesh-secrets"
+SECRETS_DIR = "/run/attestmesh/secrets"
+_SECRET_NAME = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 INJECTABLE_TEES = (Tee.SIM, Tee.NITRO, Tee.SEV_SNP, Tee.TDX, Tee.SGX)
 # The pod's TEE -> ``attestmesh agent --tee``: TDX evidence comes through configfs-tsm.
@@ -189,6 +196,7 @@ class InjectConfig:
     agent_image: str = "ghcr.io/attestmesh/attestmesh:0.1.0"
     envoy_image: str = "envoyproxy/envoy:v1.36.2"
     control_plane_url: str = "https://attestmesh.attestmesh-system.svc:8443"
+    secret_url: str = "https://attestmesh.attestmesh-system.svc:8444"  # noqa: S105 (a URL)
     xds_address: str = "attestmesh.attestmesh-system.svc:18000"
     control_plane_namespace: str = "attestmesh-system"
     trust_domain: str = "attestmesh.local"
@@ -581,6 +589,8 @@ def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig)
         *init,
     ]
     spec["volumes"] = [*(spec.get("volumes") or []), *_volumes(tee, cfg)]
+    if secrets := requested_secrets(annotations):
+        _inject_secrets(spec, secrets, cfg)
     if tee is Tee.NITRO:
         toleration = {
             "key": NITRO_TAINT_KEY,
@@ -599,6 +609,51 @@ def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig)
     elif tee is Tee.SGX:
         _merge_required_affinity(spec, cfg.sgx_node_labels)
         _tolerate_tee_hosts(spec)
+
+
+def requested_secrets(annotations: Mapping[str, Any]) -> list[str]:
+    """The secrets ``attestmesh.dev/secrets`` asks for (comma-separated name or ns/name)."""
+    raw = annotations.get(ANNOTATION_SECRETS, "")
+    return list(dict.fromkeys(p.strip() for p in str(raw).split(",") if p.strip()))
+
+
+def _secrets_problem(
+    annotations: Mapping[str, Any], spec: Mapping[str, Any], tee: Tee
+) -> str | None:
+    secrets = requested_secrets(annotations)
+    if not secrets:
+        return None
+    if tee is Tee.NITRO:
+        return f"{ANNOTATION_SECRETS} is not supported for nitro pods yet"
+    bad = [n for n in secrets if not _SECRET_NAME.fullmatch(n)]
+    if bad or len(secrets) > 64:
+        return f"{ANNOTATION_SECRETS}: up to 64 names (name or namespace/name), not {bad}"
+    if SECRETS_VOLUME in _names(spec.get("volumes")):
+        return f"the volume name {SECRETS_VOLUME} is reserved for the sidecar"
+    return None
+
+
+def _inject_secrets(spec: dict[str, Any], secrets: list[str], cfg: InjectConfig) -> None:
+    """The agent fetches ``secrets`` into a memory-backed volume (never the node's disk), files
+    readable in the pod (0444: the application runs under its own uid); every application
+    container mounts it read-only at ``SECRETS_DIR``."""
+    spec["volumes"].append(
+        {"name": SECRETS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "4Mi"}}
+    )
+    for c in spec["initContainers"]:
+        if c.get("name") == AGENT_CONTAINER:
+            c["command"] = [
+                *c["command"],
+                "--secret-url", cfg.secret_url,
+                "--secret-dir", SECRETS_DIR,
+                "--secret-file-mode", "0444",
+                *(a for name in secrets for a in ("--secret", name)),
+            ]  # fmt: skip
+            c["volumeMounts"].append({"name": SECRETS_VOLUME, "mountPath": SECRETS_DIR})
+    for c in spec.get("containers") or []:
+        if isinstance(c, dict):
+            mount = {"name": SECRETS_VOLUME, "mountPath": SECRETS_DIR, "readOnly": True}
+            c["volumeMounts"] = [*(c.get("volumeMounts") or []), mount]
 
 
 def _tolerate_tee_hosts(spec: dict[str, Any]) -> None:
@@ -675,6 +730,10 @@ def mutate(
             Decision.TEE_DISABLED,
             message=f"attestmesh cannot inject {who}: {ANNOTATION_TEE}={tee.value} is not "
             "enabled in this cluster (simulated attestation is for test clusters only)",
+        )
+    if problem := _secrets_problem(annotations, spec, tee):
+        return MutationResult(
+            Decision.INVALID_POD, message=f"attestmesh cannot inject {who}: {problem}"
         )
     raw_inbound = annotations.get(ANNOTATION_INBOUND_PORT)
     inbound, app_port = pod_ports(pod)

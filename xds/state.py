@@ -150,6 +150,8 @@ class EventKind(enum.StrEnum):
     UNREGISTERED = "unregistered"
     AUDIT = "audit"  # an audit-mode policy would have rejected; nothing was done
     REFUSED = "refused"  # a request with unverifiable evidence was refused; nothing changed
+    SECRET_RELEASED = "secret_released"  # a secret sealed to the workload (never its value)
+    SECRET_REFUSED = "secret_refused"  # a secret request refused (code: the reason)
 
 
 @dataclass(frozen=True, slots=True)
