@@ -52,6 +52,7 @@ from certs.collateral.intel_pcs import (
 from certs.collateral.roots import load_roots
 from certs.errors import AttestmeshError, PolicyError
 from certs.evidence.claims import Tee
+from certs.evidence.composite import attach_gpus
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.policy import parse_policies
@@ -284,7 +285,10 @@ def build_control_plane(
                 name,
             )
     sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
-    verifiers = build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
+    # SEV-SNP / TDX evidence may carry attached NVIDIA GPU reports (certs.evidence.composite)
+    verifiers = attach_gpus(
+        build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
+    )
     now = datetime.now(UTC)
     ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
     # Group commit: one writer thread, one fsync for every transition waiting for it; the loop

@@ -69,6 +69,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import (
 
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims, Tee
+from certs.evidence.composite import attached_gpus
 
 # TCG DICE Attestation Architecture v1.1 §6.1.8: tcg-dice-conceptual-message-wrapper.
 CMW_OID = x509.ObjectIdentifier("2.23.133.5.4.9")
@@ -175,23 +176,39 @@ def build_ear(
     if not 8 <= len(nonce) <= 64:
         raise ValueError("eat_nonce must be 8 to 64 bytes (RFC 9711 §4.1)")
     vector = trustworthiness(claims)
+    akpub = {"akpub": b64url(subject_spki_der)}
+    gpus = attached_gpus(claims)
+    own = {k: v for k, v in claims.measurements.items() if not (gpus and k.startswith("gpu"))}
     appraisal: dict[str, Any] = {
         "ear.status": status_of(claims, vector).value,
         "ear.trustworthiness-vector": vector,
         "ear.appraisal-policy-id": policy,
-        "ear.veraison.key-attestation": {"akpub": b64url(subject_spki_der)},
-        CLAIM_PREFIX + "measurements": dict(sorted(claims.measurements.items())),
+        "ear.veraison.key-attestation": akpub,
+        CLAIM_PREFIX + "measurements": dict(sorted(own.items())),
         CLAIM_PREFIX + "evidence-sha256": claims.evidence_sha256,
     }
     if claims.tcb_status is not None:
         appraisal[CLAIM_PREFIX + "tcb-status"] = claims.tcb_status
+    submods: dict[str, Any] = {claims.tee.value: appraisal}
+    # A composite device (RFC 9711 §4.2.18, EAR §3): one submod per attached GPU, appraised by
+    # the same policy, bound to the same key (its nonce derives from the CPU's binding).
+    for gpu in gpus:
+        gpu_vector = {"executables": APPROVED, "hardware": APPROVED}
+        submods[f"{Tee.NVIDIA_GPU.value}.{gpu.index}"] = {
+            "ear.status": TrustTier.AFFIRMING.value,
+            "ear.trustworthiness-vector": gpu_vector,
+            "ear.appraisal-policy-id": policy,
+            "ear.veraison.key-attestation": akpub,
+            CLAIM_PREFIX + "measurements": dict(sorted(gpu.measurements.items())),
+            CLAIM_PREFIX + "evidence-sha256": str(gpu.details.get("evidence_sha256", "")),
+        }
     return {
         "eat_profile": EAR_PROFILE,
         "iat": int(now.timestamp()),
         "sub": spiffe_id,
         "ear.verifier-id": {"developer": VERIFIER_DEVELOPER, "build": verifier_build},
         "eat_nonce": b64url(nonce),
-        "submods": {claims.tee.value: appraisal},
+        "submods": submods,
     }
 
 
