@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd.add_parser(sub)
     inspect_cmd.add_parser(sub)
     lint.add_parser(sub).set_defaults(func=lint.run)
+    from attestmesh import nitro_cmd  # enclave-init, nitro-parent, policy from-eif
+
+    nitro_cmd.add_parsers(sub)
     return p
 
 

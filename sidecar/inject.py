@@ -39,8 +39,15 @@ its proxy would never become ready.
 Per TEE (pod annotation ``attestmesh.dev/tee``, else the namespace label of the same name, else
 ``InjectConfig.default_tee``):
 
-- ``nitro``: the agent container (which launches the enclave and proxies vsock; agent and Envoy
-  run inside the enclave image) requests and limits ``aws.ec2.nitro/nitro_enclaves``,
+- ``nitro``: agent, Envoy and the application run inside the enclave (``attestmesh
+  enclave-init``, the EIF's entrypoint); instead of bootstrap, agent and Envoy the pod gets one
+  native sidecar, ``attestmesh-nitro-parent`` (``attestmesh nitro-parent``, image: the pod's
+  ``attestmesh.dev/enclave-image`` annotation, which is required, holding the EIF at
+  ``attestmesh.dev/enclave-eif``, default ``/enclave/app.eif``). It starts the enclave sized
+  to the pod's grant, bridges vsock to exactly the control plane's API and xDS addresses and the
+  peers of ``attestmesh.dev/enclave-peers`` (comma-separated ``host:port``), forwards the
+  inbound mesh port to the enclave, and is ready (HTTP ``/readyz``) once the enclave's agent
+  holds a certificate. It requests and limits ``aws.ec2.nitro/nitro_enclaves``,
   ``aws.ec2.nitro/nitro_enclaves_cpus`` and ``hugepages-1Gi`` and mounts an emptyDir with medium
   ``HugePages-1Gi`` at ``/dev/hugepages``; the pod tolerates the enclave NodePool taint
   ``aws-nitro-enclaves-k8s-dp=enabled:NoSchedule``. This follows the example pod of Karpenter's
@@ -117,15 +124,19 @@ LABEL_TEE = "attestmesh.dev/tee"
 BOOTSTRAP_CONTAINER = "attestmesh-bootstrap"
 AGENT_CONTAINER = "attestmesh-agent"
 ENVOY_CONTAINER = "attestmesh-envoy"
-CONTAINER_NAMES = (BOOTSTRAP_CONTAINER, AGENT_CONTAINER, ENVOY_CONTAINER)
+NITRO_PARENT_CONTAINER = "attestmesh-nitro-parent"
+CONTAINER_NAMES = (BOOTSTRAP_CONTAINER, AGENT_CONTAINER, ENVOY_CONTAINER, NITRO_PARENT_CONTAINER)
 SDS_VOLUME = "attestmesh-sds"
 BOOTSTRAP_VOLUME = "attestmesh-bootstrap"
 TOKEN_VOLUME = "attestmesh-token"  # noqa: S105 (a volume name)
 TRUST_VOLUME = "attestmesh-trust-bundle"
 SIM_VOLUME = "attestmesh-sim-platform"
 HUGEPAGES_VOLUME = "attestmesh-hugepages"
+NITRO_RUN_VOLUME = "attestmesh-nitro-run"
+NITRO_LOG_VOLUME = "attestmesh-nitro-log"
 VOLUME_NAMES = (
-    SDS_VOLUME, BOOTSTRAP_VOLUME, TOKEN_VOLUME, TRUST_VOLUME, SIM_VOLUME, HUGEPAGES_VOLUME
+    SDS_VOLUME, BOOTSTRAP_VOLUME, TOKEN_VOLUME, TRUST_VOLUME, SIM_VOLUME, HUGEPAGES_VOLUME,
+    NITRO_RUN_VOLUME, NITRO_LOG_VOLUME,
 )  # fmt: skip
 
 # The mesh root bundle: the control plane keeps this ConfigMap in every namespace with injected
@@ -151,6 +162,11 @@ NITRO_ENCLAVES = "aws.ec2.nitro/nitro_enclaves"
 NITRO_ENCLAVE_CPUS = "aws.ec2.nitro/nitro_enclaves_cpus"
 HUGEPAGES_1GI = "hugepages-1Gi"
 NITRO_TAINT_KEY = "aws-nitro-enclaves-k8s-dp"
+ANNOTATION_ENCLAVE_IMAGE = "attestmesh.dev/enclave-image"
+ANNOTATION_ENCLAVE_EIF = "attestmesh.dev/enclave-eif"
+ANNOTATION_ENCLAVE_PEERS = "attestmesh.dev/enclave-peers"
+DEFAULT_EIF = "/enclave/app.eif"
+NITRO_READY_PORT = 15021
 SGX_EPC = "sgx.intel.com/epc"
 # The NoSchedule taints manifests/nodes/nfd puts on TEE-capable hosts (value "true").
 TEE_HOST_TAINTS: Mapping[Tee, str] = {
@@ -444,16 +460,7 @@ def _agent_container(tee: Tee, cfg: InjectConfig) -> dict[str, Any]:
     ]
     requests: dict[str, str] = {"cpu": "50m", "memory": "64Mi"}
     limits: dict[str, str] = {"memory": "128Mi"}
-    if tee is Tee.NITRO:
-        extended = {
-            NITRO_ENCLAVES: str(cfg.nitro_enclaves),
-            NITRO_ENCLAVE_CPUS: str(cfg.nitro_enclave_cpus),
-            HUGEPAGES_1GI: f"{cfg.nitro_hugepages_gi}Gi",
-        }
-        requests = {"cpu": cfg.nitro_cpu_request, "memory": "64Mi", **extended}
-        limits = {"memory": "128Mi", **extended}
-        mounts.append({"name": HUGEPAGES_VOLUME, "mountPath": "/dev/hugepages"})
-    elif tee is Tee.SGX:
+    if tee is Tee.SGX:
         extended = {SGX_EPC: cfg.sgx_epc, SGX_ENCLAVE: "1"}
         requests = {**requests, **extended}
         limits = {**limits, **extended}
@@ -530,6 +537,99 @@ def _envoy_container(cfg: InjectConfig, inbound_port: int) -> dict[str, Any]:
     }
 
 
+def _nitro_problem(annotations: Mapping[str, Any]) -> str | None:
+    from sidecar.nitro.bridge import BridgeError, parse_host_port
+
+    image = annotations.get(ANNOTATION_ENCLAVE_IMAGE)
+    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
+        return (
+            f"a nitro pod names the image holding its EIF in the {ANNOTATION_ENCLAVE_IMAGE} "
+            "annotation (examples/nitro)"
+        )
+    eif = annotations.get(ANNOTATION_ENCLAVE_EIF, DEFAULT_EIF)
+    if not isinstance(eif, str) or not eif.startswith("/") or any(c.isspace() for c in eif):
+        return f"{ANNOTATION_ENCLAVE_EIF} must be an absolute path"
+    for peer in _peers(annotations):
+        try:
+            parse_host_port(peer)
+        except BridgeError as exc:
+            return f"{ANNOTATION_ENCLAVE_PEERS}: {exc.detail}"
+    return None
+
+
+def _peers(annotations: Mapping[str, Any]) -> list[str]:
+    raw = annotations.get(ANNOTATION_ENCLAVE_PEERS, "")
+    return [p.strip() for p in str(raw).split(",") if p.strip()]
+
+
+def nitro_parent_command(
+    cfg: InjectConfig, annotations: Mapping[str, Any], inbound_port: int
+) -> list[str]:
+    """``attestmesh nitro-parent`` as the injected parent runs it ($(VAR)s expanded by the
+    kubelet): the enclave sized to exactly the grant this container requests."""
+    cmd = [
+        *cfg.attestmesh_command, "nitro-parent",
+        "--eif", str(annotations.get(ANNOTATION_ENCLAVE_EIF, DEFAULT_EIF)),
+        "--granted-cpus", str(cfg.nitro_enclave_cpus),
+        "--granted-memory-mib", str(cfg.nitro_hugepages_gi * 1024),
+        "--workload", WORKLOAD_REF,
+        "--control-plane", cfg.control_plane_url,
+        "--xds", cfg.xds_address,
+        "--trust-domain", cfg.trust_domain,
+        "--ca-bundle", TRUST_BUNDLE,
+        "--token-file", TOKEN_PATH,
+        "--inbound-address", "$(POD_IP)",
+        "--inbound-port", str(inbound_port),
+        "--envoy-admin-port", str(cfg.envoy_admin_port),
+        "--ready-port", str(NITRO_READY_PORT),
+    ]  # fmt: skip
+    for peer in _peers(annotations):
+        cmd += ["--peer", peer]
+    return cmd
+
+
+def nitro_parent_container(
+    cfg: InjectConfig, annotations: Mapping[str, Any], inbound_port: int
+) -> dict[str, Any]:
+    """The one injected container of a nitro pod (the enclave runs agent and Envoy)."""
+    extended = {
+        NITRO_ENCLAVES: str(cfg.nitro_enclaves),
+        NITRO_ENCLAVE_CPUS: str(cfg.nitro_enclave_cpus),
+        HUGEPAGES_1GI: f"{cfg.nitro_hugepages_gi}Gi",
+    }
+    ready = {"httpGet": {"path": "/readyz", "port": NITRO_READY_PORT}}
+    env = [
+        *copy.deepcopy(_POD_ENV),
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    return {
+        "name": NITRO_PARENT_CONTAINER,
+        "image": str(annotations[ANNOTATION_ENCLAVE_IMAGE]),
+        "command": nitro_parent_command(cfg, annotations, inbound_port),
+        "restartPolicy": "Always",
+        "env": env,
+        "ports": [
+            {"name": "mesh-inbound", "containerPort": inbound_port, "protocol": "TCP"},
+            {"name": "nitro-ready", "containerPort": NITRO_READY_PORT, "protocol": "TCP"},
+        ],
+        "volumeMounts": [
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+            dict(_TRUST_MOUNT),
+            {"name": HUGEPAGES_VOLUME, "mountPath": "/dev/hugepages"},
+            {"name": NITRO_RUN_VOLUME, "mountPath": "/run/nitro_enclaves"},
+            {"name": NITRO_LOG_VOLUME, "mountPath": "/var/log/nitro_enclaves"},
+        ],
+        "resources": {
+            "requests": {"cpu": cfg.nitro_cpu_request, "memory": "64Mi", **extended},
+            "limits": {"memory": "256Mi", **extended},
+        },
+        # the enclave boots, attests and starts Envoy: the application containers wait for it
+        "startupProbe": {**ready, "periodSeconds": 2, "failureThreshold": 150},
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3},
+        "securityContext": _security_context(cfg),
+    }
+
+
 def _volumes(tee: Tee, cfg: InjectConfig) -> list[dict[str, Any]]:
     vols: list[dict[str, Any]] = [
         {"name": SDS_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
@@ -557,7 +657,10 @@ def _volumes(tee: Tee, cfg: InjectConfig) -> list[dict[str, Any]]:
         },
     ]
     if tee is Tee.NITRO:
+        vols = [v for v in vols if v["name"] in (TOKEN_VOLUME, TRUST_VOLUME)]
         vols.append({"name": HUGEPAGES_VOLUME, "emptyDir": {"medium": "HugePages-1Gi"}})
+        for name in (NITRO_RUN_VOLUME, NITRO_LOG_VOLUME):
+            vols.append({"name": name, "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}})
     elif tee is Tee.SIM and cfg.sim is not None:
         vols.append(
             {
@@ -582,12 +685,15 @@ def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig)
     # written out so the registration (xds.kube.pod_ports) and the Envoy probe agree
     annotations[ANNOTATION_INBOUND_PORT] = str(inbound_port)
     init = spec.get("initContainers") or []
-    spec["initContainers"] = [
-        _bootstrap_container(cfg),
-        _agent_container(tee, cfg),
-        _envoy_container(cfg, inbound_port),
-        *init,
-    ]
+    if tee is Tee.NITRO:  # agent and Envoy run inside the enclave
+        ours = [nitro_parent_container(cfg, annotations, inbound_port)]
+    else:
+        ours = [
+            _bootstrap_container(cfg),
+            _agent_container(tee, cfg),
+            _envoy_container(cfg, inbound_port),
+        ]
+    spec["initContainers"] = [*ours, *init]
     spec["volumes"] = [*(spec.get("volumes") or []), *_volumes(tee, cfg)]
     if secrets := requested_secrets(annotations):
         _inject_secrets(spec, secrets, cfg)
@@ -689,7 +795,9 @@ def mutate(
         return MutationResult(Decision.NOT_SELECTED, message="namespace and pod not opted in")
     containers = _names(spec.get("containers")) | _names(spec.get("initContainers"))
     ours = set(CONTAINER_NAMES)
-    if annotations.get(ANNOTATION_INJECTED) == "true" and ours <= containers:
+    if annotations.get(ANNOTATION_INJECTED) == "true" and (
+        ours - {NITRO_PARENT_CONTAINER} <= containers or NITRO_PARENT_CONTAINER in containers
+    ):
         return MutationResult(Decision.ALREADY_INJECTED, message="already injected")
     who = meta.get("name") or meta.get("generateName") or "pod"
     if spec.get("hostNetwork") is True:
@@ -732,6 +840,10 @@ def mutate(
             "enabled in this cluster (simulated attestation is for test clusters only)",
         )
     if problem := _secrets_problem(annotations, spec, tee):
+        return MutationResult(
+            Decision.INVALID_POD, message=f"attestmesh cannot inject {who}: {problem}"
+        )
+    if tee is Tee.NITRO and (problem := _nitro_problem(annotations)):
         return MutationResult(
             Decision.INVALID_POD, message=f"attestmesh cannot inject {who}: {problem}"
         )

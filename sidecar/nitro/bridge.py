@@ -346,7 +346,7 @@ def dial_vsock(transport: Transport, cid: int, port: int) -> Dial:
     return dial
 
 
-async def listen_tcp(host: str, port: int, bridge: Bridge) -> asyncio.AbstractServer:
+async def listen_tcp(host: str, port: int, bridge: Bridge) -> asyncio.Server:
     try:
         return await asyncio.start_server(bridge.handle, host, port, limit=CHUNK)
     except OSError as exc:

@@ -20,6 +20,7 @@ from sidecar.inject import (
     ANNOTATION_TEE,
     BOOTSTRAP_CONTAINER,
     ENVOY_CONTAINER,
+    NITRO_PARENT_CONTAINER,
     AdmissionError,
     Decision,
     InjectConfig,
@@ -164,26 +165,33 @@ def test_plain_sim_injection_shape() -> None:
     assert src == pod()  # mutate did not modify its input
 
 
+NITRO_ANNOTATIONS = {ANNOTATION_TEE: "nitro", "attestmesh.dev/enclave-image": "reg/app-eif:1"}
+
+
 def test_nitro_follows_the_karpenter_guide() -> None:
     p = pod()
-    p["metadata"]["annotations"][ANNOTATION_TEE] = "nitro"
+    p["metadata"]["annotations"].update(NITRO_ANNOTATIONS)
     out = injected(p)
-    agent = container(out, AGENT_CONTAINER)
+    # agent and Envoy run inside the enclave: the pod gets the parent that launches it
+    assert [c["name"] for c in out["spec"]["initContainers"]] == [NITRO_PARENT_CONTAINER]
+    parent = container(out, NITRO_PARENT_CONTAINER)
+    assert parent["image"] == "reg/app-eif:1" and parent["restartPolicy"] == "Always"
     want = {
         "aws.ec2.nitro/nitro_enclaves": "1",
         "aws.ec2.nitro/nitro_enclaves_cpus": "2",
         "hugepages-1Gi": "4Gi",
     }
     for key, value in want.items():
-        assert agent["resources"]["requests"][key] == value
-        assert agent["resources"]["limits"][key] == value
-    assert agent["resources"]["requests"]["cpu"] == "250m"
-    assert {"name": "attestmesh-hugepages", "mountPath": "/dev/hugepages"} in agent["volumeMounts"]
+        assert parent["resources"]["requests"][key] == value
+        assert parent["resources"]["limits"][key] == value
+    assert parent["resources"]["requests"]["cpu"] == "250m"
+    assert {"name": "attestmesh-hugepages", "mountPath": "/dev/hugepages"} in parent["volumeMounts"]
     vols = {v["name"]: v for v in out["spec"]["volumes"]}
     assert vols["attestmesh-hugepages"] == {
         "name": "attestmesh-hugepages",
         "emptyDir": {"medium": "HugePages-1Gi"},
     }
+    assert "attestmesh-sds" not in vols and "attestmesh-bootstrap" not in vols
     assert out["spec"]["tolerations"] == [
         {
             "key": "aws-nitro-enclaves-k8s-dp",
@@ -192,19 +200,25 @@ def test_nitro_follows_the_karpenter_guide() -> None:
             "effect": "NoSchedule",
         }
     ]
+    assert out["spec"]["containers"] == p["spec"]["containers"]
 
 
 def test_nitro_sizes_are_configurable_and_existing_tolerations_kept() -> None:
     cfg = InjectConfig(nitro_enclave_cpus=4, nitro_hugepages_gi=8)
     existing = {"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}
     p = pod(tolerations=[existing])
-    p["metadata"]["annotations"][ANNOTATION_TEE] = "nitro"
+    p["metadata"]["annotations"].update(NITRO_ANNOTATIONS)
     result = mutate(p, ENABLED, cfg)
     out = apply_patch(p, [dict(o) for o in result.patch])
     validate_pod(out)
-    limits = container(out, AGENT_CONTAINER)["resources"]["limits"]
+    parent = container(out, NITRO_PARENT_CONTAINER)
+    limits = parent["resources"]["limits"]
     assert limits["aws.ec2.nitro/nitro_enclaves_cpus"] == "4"
     assert limits["hugepages-1Gi"] == "8Gi"
+    # the enclave is sized to exactly that grant
+    cmd = parent["command"]
+    assert cmd[cmd.index("--granted-cpus") + 1] == "4"
+    assert cmd[cmd.index("--granted-memory-mib") + 1] == "8192"
     assert out["spec"]["tolerations"][0] == existing
     assert len(out["spec"]["tolerations"]) == 2
 
