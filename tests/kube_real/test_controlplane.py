@@ -14,6 +14,9 @@ import asyncio
 import base64
 import contextlib
 import json
+import subprocess
+import sys
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,7 +35,7 @@ from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_conte
 from sidecar.inject import Decision, InjectConfig, SimInjection, mutate
 from tests.kube_real.cluster import Cluster, free_port
 from tests.kube_real.install import Installed
-from tests.kube_real.rest import Rest, until
+from tests.kube_real.rest import Rest, until, wait_for
 from tests.unit.inject.jsonpatch import apply_patch
 from xds.kube import (
     CONDITION_ACCEPTED,
@@ -504,3 +507,111 @@ async def test_policies_pods_token_review_and_quarantine_through_the_server(
             {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0},
         )
         await until(lambda: "store/web-0" not in cp.state.workloads or None, what="unregistered")
+
+
+# -- two `attestmesh controlplane --kubernetes` processes, one real Lease ---------------------
+
+
+@dataclass
+class Replica:
+    identity: str
+    proc: subprocess.Popen[bytes]
+    probe: int
+    log: Path
+
+    def readyz(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.probe}/readyz", timeout=2) as resp:
+                return dict(json.loads(resp.read()))
+        except (OSError, ValueError):
+            return None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def start_replica(env: Env, tmp: Path, identity: str) -> Replica:
+    """The real CLI, as the Deployment runs it (webhook off: this test creates no pods)."""
+    probe = free_port()
+    log = tmp / f"{identity}.log"
+    argv = [
+        str(Path(sys.executable).with_name("attestmesh")),
+        "controlplane", "--kubernetes", "--kubeconfig", str(env.kubeconfig),
+        "--identity", identity, "--state-dir", str(tmp / identity),
+        "--api-port", str(free_port()), "--xds-port", str(free_port()),
+        "--ops-port", str(free_port()), "--webhook-port", "0",
+        "--probe-host", "127.0.0.1", "--probe-port", str(probe),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    return Replica(identity, proc, probe, log)
+
+
+def lease(admin: Rest) -> dict[str, Any]:
+    return dict(
+        admin.get(
+            "coordination.k8s.io/v1", "Lease", "attestmesh-system", "attestmesh-controlplane-leader"
+        )
+    )
+
+
+def invalid_events(admin: Rest, name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in admin.items("v1", "Event", STORE)
+        if e["involvedObject"].get("name") == name and e["reason"] == "Invalid"
+    ]
+
+
+def test_two_replicas_one_lease_exactly_one_acts_and_the_other_takes_over(
+    env: Env, tmp_path: Path
+) -> None:
+    admin = env.admin
+    replicas = [start_replica(env, tmp_path, ident) for ident in ("cp-a", "cp-b")]
+    try:
+        for r in replicas:
+            wait_for(r.readyz, 60, f"{r.identity} ready\n{r.output()}")
+
+        def one_leader() -> Replica | None:
+            states = [r.readyz() for r in replicas]
+            leaders = [r for r, s in zip(replicas, states, strict=True) if s and s["leader"]]
+            return leaders[0] if len(leaders) == 1 else None
+
+        leader = wait_for(one_leader, 30, "exactly one leader")
+        (follower,) = [r for r in replicas if r is not leader]
+        held = lease(admin)["spec"]
+        assert held["holderIdentity"] == leader.identity
+        assert not follower.readyz()["leader"]  # type: ignore[index]
+
+        # an AttestationPolicy 1.20 stores (its CEL rule is dropped) and the parser refuses:
+        # the leader alone writes the Accepted=False status and the Event
+        bad = policy("no-nitro-values", STORE, allowedTees=["sim", "nitro"])
+        admin.apply(bad)
+        (event,) = wait_for(lambda: invalid_events(admin, "no-nitro-values"), 20, "Invalid Event")
+        assert event["reportingInstance"] == leader.identity, event
+        assert "nitro" in event["message"], event
+
+        # kill -9 the leader: it cannot release the Lease; the follower takes it over once it
+        # expires (15 s) and acts from then on
+        leader.proc.kill()
+        leader.proc.wait(10)
+        wait_for(lambda: (follower.readyz() or {}).get("leader"), 40, "takeover")
+        taken = lease(admin)["spec"]
+        assert taken["holderIdentity"] == follower.identity
+        assert taken["leaseTransitions"] == int(held.get("leaseTransitions") or 0) + 1
+        bad["metadata"]["name"] = "no-nitro-values-2"
+        admin.apply(bad)
+        (event,) = wait_for(lambda: invalid_events(admin, "no-nitro-values-2"), 20, "Invalid Event")
+        assert event["reportingInstance"] == follower.identity, event
+        assert follower.proc.poll() is None, follower.output()
+    finally:
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.proc.terminate()
+                try:
+                    r.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+                    r.proc.wait(5)
+        admin.delete(GROUP_VERSION, "AttestationPolicy", STORE, "no-nitro-values")
+        admin.delete(GROUP_VERSION, "AttestationPolicy", STORE, "no-nitro-values-2")
