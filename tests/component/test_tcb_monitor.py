@@ -319,3 +319,88 @@ async def test_a_policy_raising_its_tcb_bar_follows_on_tcb_change(tmp_path: Path
     env.cp.check_deadlines()
     assert env.cp.status_of("web-1") is Status.QUARANTINED
     assert _kinds(env, "web-1")[-1][1] is Trigger.TCB_CHANGED
+
+
+# -- AMD: the product's CRL from KDS, signed by the (synthetic) ARK -----------------------------
+
+
+async def test_an_amd_crl_revoking_the_ask_quarantines_snp_workloads(tmp_path: Path) -> None:
+    from certs.collateral.amd_kds import KdsCollateralSource
+    from certs.evidence.sev_snp import SevSnpVerifier, parse_amd_chain
+    from tests.component.test_composite_attest import FakeCvm
+    from tests.unit.evidence.test_sev_snp import _Amd
+
+    amd = _Amd()
+    chain = parse_amd_chain(amd.chain_pem())
+    cvm = FakeCvm(amd)
+    clock = Clock(fx.NOW)  # 2025-01-10: inside the synthetic AMD PKI's validity
+    probe = SevSnpVerifier([chain]).verify(
+        cvm.collect(bytes(64), nonce=b"", spki=b"").evidence, now=clock(),
+        collateral={"vcek": cvm.vcek},
+    )  # fmt: skip
+    refs = {"sevSnp": {"measurement": [probe.measurements["measurement"]]}}
+    doc = policy_doc("snp", tees=["sev-snp"], refs=refs, certificateTTL="24h",
+                     reattestationInterval="12h", onTcbChange="quarantine")  # fmt: skip
+    metrics = Metrics()
+    store = SqliteStore(tmp_path / "state.db")
+    cp = ControlPlane(
+        state=store.load(TRUST_DOMAIN), store=store,
+        ca=CertificateAuthority.load_or_create(tmp_path / "ca", TRUST_DOMAIN, clock()),
+        verifiers={Tee.SEV_SNP: SevSnpVerifier([chain])}, policies=parse_policies([doc]),
+        mesh_policies=(), metrics=metrics, publisher=RecordingPublisher(), clock=clock,
+        serials=x509.random_serial_number, random_bytes=secrets.token_bytes,
+    )  # fmt: skip
+    cp.register([registration("web-1")])
+    key = new_key()
+    nonce, _ = cp.challenge()
+    ev = cvm.collect(expected_report_data(nonce, spki(key)), nonce=nonce, spki=spki(key))
+    await cp.attest(AttestRequest("web-1", "sev-snp", ev.evidence, csr_pem(key), nonce,
+                                  dict(ev.collateral)), None)  # fmt: skip
+    assert cp.status_of("web-1") is Status.ATTESTED
+    served: dict[str, bytes] = {}
+    hits: Counter[str] = Counter()
+
+    async def fetch(url: str) -> bytes:
+        hits[url] += 1
+        if url not in served:
+            raise CollateralError("collateral_http_status", f"{url}: HTTP 404")
+        return served[url]
+
+    crl_url = f"{BASE}/vcek/v1/Milan/crl"
+    served[crl_url] = _amd_crl_at(amd, (77,), clock())  # nextUpdate: 7 days on
+    kds = KdsCollateralSource(BASE, DiskCache(tmp_path / "kds"), fetch)
+    monitor = TcbMonitor(cp, metrics, clock, amd=kds, amd_chains=[chain])
+    assert monitor.index.scopes() == [("amd-crl", "Milan")]
+    assert await monitor.refresh() == []
+    assert hits[crl_url] == 1 and cp.status_of("web-1") is Status.ATTESTED
+    # AMD revokes the ASK (serial 1 in the synthetic PKI); the cached CRL is fresh until its
+    # nextUpdate, so the change is seen when the schedule comes round
+    served[crl_url] = _amd_crl_at(amd, (1,), clock())
+    clock.advance(days=6)
+    assert await monitor.refresh() == [] and hits[crl_url] == 1  # before nextUpdate
+    assert monitor.next_refresh(clock()) == clock() + timedelta(hours=1)
+    clock.advance(days=1, seconds=1)
+    served[crl_url] = _amd_crl_at(amd, (1,), clock())  # KDS's current CRL
+    assert await monitor.refresh() == ["web-1"]
+    assert cp.status_of("web-1") is Status.QUARANTINED
+    (kind, trigger, _) = [(e.kind, e.trigger, e.reason) for e in cp.events("web-1")][-1]
+    assert kind is EventKind.QUARANTINED and trigger is Trigger.TCB_REVOKED
+
+
+def _amd_crl_at(amd: Any, revoked: tuple[int, ...], now: datetime) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(amd.ark.subject)
+        .last_update(now - timedelta(hours=1))
+        .next_update(now + timedelta(days=7))
+    )
+    for serial in revoked:
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+        )
+    return builder.sign(amd.ark_key, hashes.SHA384(), rsa_padding=amd.PSS).public_bytes(
+        Encoding.DER
+    )
