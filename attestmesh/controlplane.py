@@ -7,6 +7,7 @@ xDS snapshots; Kubernetes actions), metrics follow. Time and randomness are inje
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import heapq
 import hmac
@@ -73,7 +74,7 @@ from xds.state import (
     unregister,
     withdraw,
 )
-from xds.store import Batch, StateStore
+from xds.store import Batch, StateStore, StoreConflict
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
@@ -85,6 +86,9 @@ COLLATERAL_OUTAGE = frozenset({"collateral_unreachable", "collateral_http_status
 # signing intermediate has months left when rotation starts.
 CA_ROTATION_RETRY = timedelta(minutes=1)
 PRUNE_EVERY = timedelta(minutes=1)
+# a quarantine the store refused (another replica changed the row first) is decided again on
+# the stored row up to this many times
+QUARANTINE_RETRIES = 8
 # Appraisal reason codes (certs.policy's vocabulary) that, on authentic evidence, indict the
 # platform (firmware / TCB per vendor collateral), not only the workload: its node is marked.
 PLATFORM_APPRAISAL_REASONS = frozenset({"tcb_status_not_accepted", "tcb_below_minimum"})
@@ -157,6 +161,9 @@ class _Announcement:
     trust: TrustMaterial
     changed: frozenset[str]
     events: tuple[Event, ...]
+    gen: int = 0  # the transition (counted by _apply) whose state this is
+    # decide again on the rows stored now, should the store refuse this one (StoreConflict)
+    retry: Callable[[], object] | None = None
 
 
 class StoreUnavailableError(AttestmeshError):
@@ -206,6 +213,10 @@ class ControlPlane:
         self._store_failed: str | None = None
         self._last_write: asyncio.Future[None] | None = None
         self._pending: _Announcement | None = None
+        self._gen = 0  # transitions applied
+        # rows adopted from the store (another replica's), newer than the states of
+        # announcements decided before: name -> (gen adopted at, row or None: gone)
+        self._adopted: dict[str, tuple[int, WorkloadState | None]] = {}
         self._pruned_at: datetime | None = None
         self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
         self._listeners: list[Callable[[MeshState, Collection[str]], None]] = []
@@ -253,12 +264,20 @@ class ControlPlane:
 
     # -- transitions --------------------------------------------------------------------------
     def _apply(
-        self, new: MeshState, events: Sequence[Event], changed: Collection[str]
+        self,
+        new: MeshState,
+        events: Sequence[Event],
+        changed: Collection[str],
+        retry: Callable[[], object] | None = None,
     ) -> asyncio.Future[None] | None:
         """Make ``new`` the state decisions see now; persist the rows of ``changed`` and the
         events (one batch); announce once they are durable. Returns what to await for
         durability (None: durable already). Announcements of batches made durable together
-        are coalesced into one publish."""
+        are coalesced into one publish.
+
+        The batch expects the rows of ``changed`` as this replica has them now: if another
+        replica changed one first, the store refuses the batch (``StoreConflict``), the rows
+        stored now are adopted and ``retry`` (if any) decides again on them."""
         if self._store_failed is not None:
             raise StoreUnavailableError(
                 "store_unavailable", f"the state store failed: {self._store_failed}"
@@ -267,7 +286,8 @@ class ControlPlane:
         upserts = {n: w for n in changed if (w := new.workloads.get(n)) is not None}
         deletes = frozenset(n for n in changed if n not in new.workloads)
         added = new.revocations[len(old.revocations) :]
-        batch = Batch(upserts, deletes, added, events=tuple(events))
+        expect = {n: old.workloads.get(n) for n in changed}
+        batch = Batch(upserts, deletes, added, events=tuple(events), expect=expect)
         for name in changed:
             before, after = old.workloads.get(name), new.workloads.get(name)
             self._quarantined += (after is not None and after.status is Status.QUARANTINED) - (
@@ -281,8 +301,15 @@ class ControlPlane:
         if added:
             self._trust = self._build_trust(self._clock())
         self._metrics.quarantined.set(self._quarantined)
-        announce = _Announcement(new, self._trust, frozenset(changed), tuple(events))
-        durable = self._store.write(batch)
+        self._gen += 1
+        announce = _Announcement(
+            new, self._trust, frozenset(changed), tuple(events), self._gen, retry
+        )
+        try:
+            durable = self._store.write(batch)
+        except StoreConflict as exc:  # a synchronous store
+            self._conflicted(exc, announce)
+            raise
         if durable is None:
             self._announce(announce)
             return None
@@ -291,6 +318,9 @@ class ControlPlane:
         return durable
 
     def _committed(self, durable: asyncio.Future[None], announce: _Announcement) -> None:
+        if not durable.cancelled() and isinstance(durable.exception(), StoreConflict):
+            self._conflicted(durable.exception(), announce)  # type: ignore[arg-type]
+            return
         if durable.cancelled() or durable.exception() is not None:
             exc = durable.exception() if not durable.cancelled() else "cancelled"
             # Fail-stop: the decided state is ahead of the durable one. Serve nothing more that
@@ -308,7 +338,54 @@ class ControlPlane:
                 announce.trust,
                 pending.changed | announce.changed,
                 pending.events + announce.events,
+                announce.gen,
             )
+
+    def _conflicted(self, conflict: StoreConflict, announce: _Announcement) -> None:
+        """The store refused a decision: another replica changed its rows first. Adopt the
+        rows stored now (this replica's view of them was stale), announce them, and decide
+        again if the decision says how."""
+        log.warning("decision refused by the store, rows adopted: %s", conflict.detail)
+        self.adopt_rows(conflict.current)
+        if announce.retry is not None:
+            try:
+                announce.retry()
+            except AttestmeshError as exc:
+                log.warning("deciding again after a conflict failed: %s", exc)
+
+    def adopt_rows(self, rows: Mapping[str, WorkloadState | None]) -> None:
+        """Make durable rows written elsewhere (another replica) this replica's view: the
+        state decisions see, the deadlines, and (coalesced) the next announcement."""
+        if not rows:
+            return
+        old = self._state
+        workloads = dict(old.workloads)
+        for name, w in rows.items():
+            if w is None:
+                workloads.pop(name, None)
+            else:
+                workloads[name] = w
+            before = old.workloads.get(name)
+            self._quarantined += (w is not None and w.status is Status.QUARANTINED) - (
+                before is not None and before.status is Status.QUARANTINED
+            )
+        self._state = replace(old, workloads=workloads)
+        for name in rows:
+            self._track_deadline(name)
+        for listener in self._listeners:
+            listener(self._state, tuple(rows))
+        self._metrics.quarantined.set(self._quarantined)
+        self._adopted.update((n, (self._gen, w)) for n, w in rows.items())
+        announce = _Announcement(self._announced, self._trust, frozenset(rows), (), -1)
+        pending = self._pending
+        if pending is None:
+            self._pending = announce
+            with contextlib.suppress(RuntimeError):  # no loop: announce now
+                asyncio.get_running_loop().call_soon(self._flush)
+                return
+            self._flush()
+        else:
+            self._pending = replace(pending, changed=pending.changed | announce.changed)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None
@@ -316,16 +393,33 @@ class ControlPlane:
             self._announce(pending)
 
     def _announce(self, a: _Announcement) -> None:
-        self._announced = a.state
-        self._publisher.publish(a.state, self._mesh_policies, a.trust, a.changed)
+        state, changed = a.state, a.changed
+        if self._adopted:  # rows adopted after this state was decided replace its own
+            newer = {n: w for n, (gen, w) in self._adopted.items() if gen >= a.gen}
+            if newer:
+                workloads = dict(state.workloads)
+                for name, w in newer.items():
+                    if w is None:
+                        workloads.pop(name, None)
+                    else:
+                        workloads[name] = w
+                state = replace(state, workloads=workloads)
+                changed = changed | frozenset(newer)
+            if a.gen > 0:  # announced states from now on derive from the adopted rows
+                self._adopted = {n: v for n, v in self._adopted.items() if v[0] >= a.gen}
+        self._announced = state
+        self._publisher.publish(state, self._mesh_policies, a.trust, changed)
         if a.events:
-            self._publisher.on_events(a.state, a.events)
+            self._publisher.on_events(state, a.events)
 
     async def flushed(self) -> None:
-        """Wait until every transition decided so far is durable (and so announced)."""
-        last = self._last_write
-        if last is not None:
-            await asyncio.shield(last)
+        """Wait until every transition decided so far is durable (and so announced); one the
+        store refused (another replica's rows were adopted) counts as done."""
+        while (last := self._last_write) is not None:
+            with contextlib.suppress(StoreConflict):
+                await asyncio.shield(last)
+            if self._last_write is last:
+                return
 
     @property
     def healthy(self) -> bool:
@@ -346,11 +440,17 @@ class ControlPlane:
         expiry = self._ca.intermediate.cert.not_valid_after_utc
         self._metrics.ca_intermediate_expiry.set(expiry.timestamp())
 
-    def register(self, regs: Sequence[Registration]) -> asyncio.Future[None] | None:
+    def register(
+        self, regs: Sequence[Registration], attempt: int = 0
+    ) -> asyncio.Future[None] | None:
         state, events, changed = register_all(self._state, regs, self._clock())
         if not changed:
             return None
-        return self._apply(state, events, changed)
+
+        def again() -> object:  # another replica registered first: compare with its rows
+            return self.register(regs, attempt + 1)
+
+        return self._apply(state, events, changed, again if attempt < QUARANTINE_RETRIES else None)
 
     def challenge(self) -> tuple[bytes, datetime]:
         """A fresh authenticated nonce and its expiry; issuing keeps no state."""
@@ -430,6 +530,14 @@ class ControlPlane:
             except asyncio.CancelledError:  # the client went away: nobody will hold this key
                 self.withdraw(issued)
                 raise
+            except StoreConflict:
+                # Another replica changed this workload while it was appraised here (its rows
+                # are adopted now): nothing was recorded, the certificate is never handed out.
+                ensure_may_issue(self._state, req.workload)  # quarantined meanwhile: refused
+                raise StoreUnavailableError(
+                    "store_unavailable",
+                    f"{req.workload} changed on another replica during this attestation; retry",
+                ) from None
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
@@ -501,7 +609,7 @@ class ControlPlane:
         )
 
     def _quarantine_all(
-        self, decisions: Sequence[tuple[str, Trigger, str, str, bool]]
+        self, decisions: Sequence[tuple[str, Trigger, str, str, bool]], attempt: int = 0
     ) -> list[str]:
         """Quarantine several workloads in one transition: persisted and announced once.
         Each decision: (name, trigger, detail, reason code, platform failed)."""
@@ -512,7 +620,14 @@ class ControlPlane:
             events += ev
         if not events:
             return []
-        self._apply(state, events, [e.workload for e in events])
+
+        def again() -> object:  # refused because another replica changed a row first:
+            # decide again on the rows stored now (a quarantine is never lost to a race;
+            # already quarantined is a no-op)
+            return self._quarantine_all(decisions, attempt + 1)
+
+        retry = again if attempt < QUARANTINE_RETRIES else None
+        self._apply(state, events, [e.workload for e in events], retry)
         for e in events:
             assert e.trigger is not None
             self._metrics.quarantine_events.labels(e.trigger.value).inc()

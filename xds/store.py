@@ -193,6 +193,7 @@ class StoreStats:
     commit_seconds: float = 0.0  # wall time inside committed transactions, fsync included
     max_group: int = 0  # most batches covered by one commit
     queued: int = 0  # batches waiting for the writer now (GroupCommitStore)
+    conflicts: int = 0  # batches refused because the rows they expected had changed
 
 
 class StateStore(Protocol):
@@ -696,6 +697,8 @@ class SqliteStore:
             self._db.close()
             raise
         self._pruned_below = 0  # event ids <= this are known to be gone
+        self._outcomes: list[StoreConflict | None] = []  # of the last commit_group
+        self.conflicts = 0
         # Counters (plain attributes, written by the committing thread; ``stats`` snapshots them)
         self.commits = 0
         self.batches = 0
@@ -723,6 +726,7 @@ class SqliteStore:
             self.failed_commits,
             self.commit_seconds,
             self.max_group,
+            conflicts=self.conflicts,
         )
 
     def load(self, trust_domain: str) -> MeshState:
@@ -752,6 +756,12 @@ class SqliteStore:
         (``decide_group``); the caller owns this connection."""
         if not any(r.count() or r.expect for r in group):
             return [None] * len(group)
+        self._outcomes = []
+        self._commit(group)
+        return self._outcomes
+
+    def _commit(self, group: Sequence[_Rows]) -> None:
+        """The transaction of ``commit_group`` (its outcomes in ``_outcomes``)."""
         started = time.perf_counter()
         cur = self._db.cursor()
         try:
@@ -782,7 +792,8 @@ class SqliteStore:
         self.rows += rows.count()
         self.commit_seconds += time.perf_counter() - started
         self.max_group = max(self.max_group, applied)
-        return outcomes
+        self.conflicts += len(outcomes) - applied
+        self._outcomes = outcomes
 
     def _write_rows(self, cur: sqlite3.Cursor, rows: _Rows) -> int:
         """The rows' statements, inside the caller's transaction; returns the new pruning mark."""

@@ -298,6 +298,7 @@ class PostgresStore:
         self.failed_commits = 0
         self.commit_seconds = 0.0
         self.max_group = 0
+        self.conflicts = 0
 
     @property
     def where(self) -> str:
@@ -317,6 +318,7 @@ class PostgresStore:
             self.failed_commits,
             self.commit_seconds,
             self.max_group,
+            conflicts=self.conflicts,
         )
 
     def load(self, trust_domain: str) -> MeshState:
@@ -368,6 +370,7 @@ class PostgresStore:
         self.rows += rows.count()
         self.commit_seconds += time.perf_counter() - started
         self.max_group = max(self.max_group, applied)
+        self.conflicts += len(outcomes) - applied
         return outcomes
 
     def _commit(

@@ -1,0 +1,77 @@
+"""Control planes sharing one PostgreSQL database, in one process (the tests' replicas): each
+its own GroupCommitStore(PostgresStore), its own nonce book and publisher; the CA directory is
+shared (one trust)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.controlplane import AttestationLimiter, ControlPlane
+from attestmesh.metrics import Metrics
+from certs.binding import expected_report_data
+from certs.ca import CertificateAuthority
+from certs.evidence import sim
+from certs.evidence.claims import Tee
+from certs.evidence.sim import SimVerifier
+from certs.issuance import AttestRequest
+from certs.policy import parse_policies
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    TRUST_DOMAIN,
+    Clock,
+    RecordingPublisher,
+    csr_pem,
+    new_key,
+    policy_doc,
+    spki,
+)
+from xds.state import Registration
+from xds.store import GroupCommitStore
+from xds.store_pg import open_store
+
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+
+
+class Replica:
+    def __init__(self, url: str, ca_dir: Path, clock: Clock) -> None:
+        self.store: GroupCommitStore = open_store(url)
+        self.publisher = RecordingPublisher()
+        self.metrics = Metrics()
+        self.cp = ControlPlane(
+            state=self.store.load(TRUST_DOMAIN),
+            store=self.store,
+            ca=CertificateAuthority.load_or_create(ca_dir, TRUST_DOMAIN, clock()),
+            verifiers={Tee.SIM: SimVerifier([PLATFORM.public_key()])},
+            policies=parse_policies([policy_doc()]),
+            mesh_policies=(),
+            metrics=self.metrics,
+            publisher=self.publisher,
+            clock=clock,
+            serials=x509.random_serial_number,
+            random_bytes=secrets.token_bytes,
+            limiter=AttestationLimiter(burst=1000),
+        )
+
+    async def register(self, regs: Sequence[Registration]) -> None:
+        self.cp.register(regs)
+        await self.cp.flushed()
+
+    def request(self, name: str) -> AttestRequest:
+        key = new_key()
+        nonce, _ = self.cp.challenge()
+        evidence = sim.build_report(
+            PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=MEASUREMENT
+        )
+        return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
+
+    async def attest(self, name: str) -> Any:
+        return await self.cp.attest(self.request(name), None)
+
+    def close(self) -> None:
+        self.store.close()
