@@ -230,6 +230,8 @@ async def _receive_config(
         return parse_config(msg), reader, writer, control
     except BaseException:
         control.close()
+        if sessions.first.done() and not sessions.first.cancelled():
+            sessions.first.result()[1].transport.abort()
         raise
 
 

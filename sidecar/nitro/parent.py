@@ -22,9 +22,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -52,7 +53,7 @@ from sidecar.nitro.config import (
     encode,
     parse_status,
 )
-from sidecar.nitro.nitrocli import NitroCli, NitroCliError, RunningEnclave
+from sidecar.nitro.nitrocli import NitroCliError, RunningEnclave
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,16 @@ DESCRIBE_POLL_S = 1.0
 HELLO_TIMEOUT_S = 10.0
 CONNECT_RETRY_S = 0.2
 TERMINATE_TIMEOUT_S = 30.0
+
+
+class EnclaveRunner(Protocol):
+    """What the parent needs of nitro-cli (``nitrocli.NitroCli``; tests give a fake)."""
+
+    async def run_enclave(self, args: Sequence[str]) -> RunningEnclave: ...
+
+    async def state(self, enclave_id: str) -> str | None: ...
+
+    async def terminate(self, enclave_id: str, timeout_s: float | None = None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +92,7 @@ class Parent:
     def __init__(
         self,
         settings: ParentSettings,
-        nitro: NitroCli,
+        nitro: EnclaveRunner,
         transport: Transport,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
