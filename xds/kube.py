@@ -9,8 +9,9 @@ Pods become registrations; the Service selecting a pod names its mesh service, a
 EndpointSlice endpoints say whether it is ready (``registration_from_pod``). A Service or slice
 change re-derives the registrations of the pods it affects.
 
-Watchers list, then watch from the list's resourceVersion with bookmarks; a 410 Gone relists;
-other failures back off exponentially. Invalid custom resources are refused one by one: each
+Watchers list, then watch from the list's resourceVersion with bookmarks; a broken watch (the
+API server restarted, the connection dropped) resumes from the last resourceVersion, a 410 Gone
+relists; failures back off exponentially. Invalid custom resources are refused one by one: each
 problem is listed in a status condition ``Accepted=False`` (reason ``Invalid``) and an Event,
 and the resource's previous valid version stays in force.
 
@@ -826,7 +827,22 @@ class Watcher:
                     self.synced.set()
                     delay = self.backoff[0]
                     while True:
-                        await self._stream()
+                        # A broken stream (the API server restarted, the connection dropped)
+                        # resumes from the last resourceVersion after a backoff: no relist
+                        # unless the server answers 410 Gone (history compacted since).
+                        try:
+                            if await self._stream():
+                                delay = self.backoff[0]
+                            else:  # ended with nothing delivered: never spin
+                                await self.sleep(self.backoff[0])
+                        except KubeError as exc:
+                            self._restart("error")
+                            log.warning(
+                                "watch %s: %s; resuming from %s in %.1fs",
+                                self.spec.resource, exc, self.resource_version, delay,
+                            )  # fmt: skip
+                            await self.sleep(delay * (0.5 + self.rng.random()))
+                            delay = min(delay * 2, self.backoff[1])
                 except _Gone:
                     self._restart("gone")
                 except KubeError as exc:
@@ -842,7 +858,8 @@ class Watcher:
         if w is not None:
             w.stop()
 
-    async def _stream(self) -> None:
+    async def _stream(self) -> bool:
+        """One watch request from ``resource_version``; True if it delivered anything."""
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
@@ -877,16 +894,17 @@ class Watcher:
         # A daemon thread, never awaited: a blocking read cannot be interrupted, and awaiting it
         # (or the default executor, at loop shutdown) would wait for the watch timeout.
         threading.Thread(target=pump, name=f"watch-{self.spec.resource}", daemon=True).start()
+        delivered = False
         try:
             while True:
                 kind, item = await queue.get()
                 if kind == "end":
-                    return
+                    return delivered
                 if kind == "error":
                     if getattr(item, "status", None) == 410:
                         raise _Gone()
                     if w._stop:
-                        return
+                        return delivered
                     if hasattr(item, "status"):
                         raise _translate(item)
                     raise KubeError("watch_broken", str(item))
@@ -898,6 +916,7 @@ class Watcher:
                     raise KubeError("watch_error", str(obj.get("message")), int(obj.get("code", 0)))
                 if new_rv:
                     self.resource_version = str(new_rv)
+                delivered = True
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     await self.spec.on_event(etype, obj)
         finally:

@@ -427,6 +427,31 @@ class Cluster:
             self.stop()
             raise
 
+    def start_second_apiserver(self) -> Path:
+        """Another kube-apiserver on the same etcd (as in an HA control plane), on its own
+        port; returns an admin kubeconfig for it. Writes through it reach etcd while the first
+        one is down."""
+        port = free_port()
+        argv = [
+            f"--secure-port={port}" if a.startswith("--secure-port=") else a
+            for a in self.procs["kube-apiserver"].argv
+        ]
+        proc = Proc("kube-apiserver-2", argv, self.workdir / "kube-apiserver-2.log")
+        self.procs[proc.name] = proc
+        proc.start()
+        server = f"https://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            req = urllib.request.Request(server + "/readyz")  # noqa: S310 (https, loopback)
+            with urllib.request.urlopen(req, context=self._probe_ctx, timeout=2) as resp:  # noqa: S310
+                return bool(resp.status == 200)
+
+        self._wait("second kube-apiserver /readyz", ready, 60, proc.name)
+        cert = self.pki.issue("test-admin-2", ("system:masters",))
+        return self.write_kubeconfig(
+            "admin-2", kubeconfig(server, self.pki.ca_pem, user="test-admin-2", cert=cert)
+        )
+
     def start_scheduler(self) -> None:
         if not self.procs["kube-scheduler"].alive():
             self.procs["kube-scheduler"].start()
@@ -452,7 +477,13 @@ class Cluster:
         return rev
 
     def stop(self) -> None:
-        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+        for name in (
+            "kube-scheduler",
+            "kube-controller-manager",
+            "kube-apiserver-2",
+            "kube-apiserver",
+            "etcd",
+        ):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop()

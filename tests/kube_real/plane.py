@@ -1,0 +1,256 @@
+"""The control plane in Kubernetes mode against a real API server, for the tests in
+tests/kube_real: ``make_env`` (namespaces, service accounts, the control plane's kubeconfig
+holding a real TokenRequest token of the manifests' ServiceAccount, the webhook configuration
+pointed at loopback) and ``control_plane`` (what ``attestmesh controlplane --kubernetes``
+runs, in this process so tests can read its state), plus pod and policy builders."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.kube_mode import KubeMode, KubeSettings, connect
+from attestmesh.metrics import Metrics
+from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
+from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
+from sidecar.inject import InjectConfig, SimInjection
+from tests.kube_real.cluster import Cluster, free_port
+from tests.kube_real.rest import Rest, until
+
+GOOD = bytes.fromhex("a1" * 48)
+BAD = bytes.fromhex("b2" * 48)
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+GROUP_VERSION = "attestmesh.dev/v1alpha1"
+SHOP = "shop"  # labelled attestmesh.dev/inject=enabled: the webhook injects here
+STORE = "store"  # not labelled: pods here are stored as sent (pre-injected fixtures)
+WEBHOOK = "attestmesh-sidecar-injector"
+
+
+@dataclass
+class Env:
+    cluster: Cluster
+    admin: Rest
+    kubeconfig: Path  # the control plane's: its ServiceAccount's token
+    webhook_port: int
+    sim_key: Path
+
+
+def _ns(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": labels or {}},
+    }
+
+
+def _sa(ns: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": name, "namespace": ns},
+        "automountServiceAccountToken": False,
+    }
+
+
+def service_account_token(admin: Rest, ns: str, sa: str, **spec: Any) -> str:
+    body = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600, **spec},
+    }
+    out = admin.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", body)
+    return str(out["status"]["token"])
+
+
+def make_env(cluster: Cluster, admin: Rest, workdir: Path) -> Env:
+    """Namespaces, service accounts, the control plane's token kubeconfig, and the webhook
+    configuration pointed at a free loopback port (manifests/ must be installed)."""
+    admin.apply(_ns(SHOP, {"attestmesh.dev/inject": "enabled"}))
+    admin.apply(_ns(STORE))
+    for ns in (SHOP, STORE):
+        admin.apply(_sa(ns, "web"))
+        admin.apply(_sa(ns, "other"))
+    token = service_account_token(admin, "attestmesh-system", "attestmesh-controlplane")
+    kubeconfig = cluster.token_kubeconfig("controlplane", token)
+    port = free_port()
+    hook = admin.get(
+        "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", None, WEBHOOK
+    )
+    for h in hook["webhooks"]:
+        h["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate/pods"}
+    admin.call(
+        "PUT",
+        admin.path(
+            "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", None, WEBHOOK
+        ),
+        hook,
+    )
+    workdir.mkdir(parents=True, exist_ok=True)
+    key = workdir / "platform.pem"
+    key.write_bytes(
+        PLATFORM.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return Env(cluster, admin, kubeconfig, port, key)
+
+
+@dataclass
+class Plane:
+    running: Running
+    mode: KubeMode
+    settings: ControlPlaneSettings
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.settings.api_port}"
+
+    def agent(self, workload: str, token: str, measurement: bytes = GOOD) -> Agent:
+        class Sink:
+            def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
+                pass
+
+        return Agent(
+            url=self.url,
+            workload=workload,
+            source=SimEvidenceSource(PLATFORM, measurement),
+            sink=Sink(),
+            ssl_context=client_ssl_context(self.running.bundle_pem),
+            token=lambda: token,
+        )
+
+
+@contextlib.asynccontextmanager
+async def control_plane(env: Env, state_dir: Path, identity: str = "cp-0") -> AsyncIterator[Plane]:
+    settings = ControlPlaneSettings(
+        state_dir=state_dir,
+        sim_platform_keys=(env.sim_key,),
+        api_port=free_port(),
+        xds_port=free_port(),
+        ops_port=free_port(),
+        deadline_check=timedelta(seconds=1),
+    )
+    metrics = Metrics()
+    mode = KubeMode(
+        connect(env.kubeconfig, 10),  # what `controlplane --kubernetes --kubeconfig` does
+        KubeSettings(
+            identity=identity,
+            webhook_host="127.0.0.1",
+            webhook_port=env.webhook_port,
+            webhook_configuration=WEBHOOK,
+            probe_host="127.0.0.1",
+            probe_port=free_port(),
+            retry_period=timedelta(seconds=0.5),
+            watch_timeout=30,
+            inject=InjectConfig(sim=SimInjection(GOOD.hex())),  # a test cluster
+        ),
+        metrics,
+        state_dir=state_dir,
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        run_control_plane(settings, stop, ready, metrics=metrics, hooks=mode.hooks())
+    )
+    try:
+        running = await asyncio.wait_for(ready, 20)
+        await asyncio.wait_for(mode.synced.wait(), 20)
+        bundle = base64.b64encode(running.cp.ca.bundle_pem).decode()
+
+        def bundled() -> bool:
+            hook = env.admin.get(
+                "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", None, WEBHOOK
+            )
+            return all(h["clientConfig"].get("caBundle") == bundle for h in hook["webhooks"])
+
+        if mode.elector.is_leader:
+            await until(bundled, what="caBundle written")
+        yield Plane(running, mode, settings)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+def app_pod(
+    name: str,
+    ns: str,
+    *,
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": labels or {"app": "web"},
+            "annotations": annotations or {},
+        },
+        "spec": {
+            "serviceAccountName": "web",
+            "automountServiceAccountToken": False,
+            "containers": [{"name": "app", "image": "web:1", "ports": [{"containerPort": 8080}]}],
+            **spec,
+        },
+    }
+
+
+def injected_fixture_pod(name: str, ip: str) -> dict[str, Any]:
+    """A pod as the injector leaves it (annotations), stored as sent in the unlabelled ns."""
+    return app_pod(
+        name,
+        STORE,
+        annotations={
+            "attestmesh.dev/injected": "true",
+            "attestmesh.dev/inbound-port": "15006",
+            "attestmesh.dev/app-port": "8080",
+        },
+    )
+
+
+async def create(rest: Rest, doc: dict[str, Any]) -> tuple[int, Any]:
+    """POST through the server in a thread: the server may call our webhook on this loop."""
+    return await asyncio.to_thread(rest.status_of, "POST", rest.doc_path(doc, named=False), doc)
+
+
+async def running_pod(admin: Rest, doc: dict[str, Any], ip: str) -> dict[str, Any]:
+    """Create ``doc`` and give it the status a kubelet would (Running, pod IP)."""
+    status, body = await create(admin, doc)
+    assert status == 200, body.get("message")
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    return dict(
+        await asyncio.to_thread(
+            admin.patch,
+            "v1",
+            "Pod",
+            ns,
+            name,
+            {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}},
+            subresource="status",
+        )
+    )
+
+
+def policy(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": GROUP_VERSION,
+        "kind": "AttestationPolicy",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "selector": {"serviceAccounts": ["web"]},
+            "allowedTees": ["sim"],
+            "referenceValues": {"sim": {"measurement": [GOOD.hex()]}},
+            **spec,
+        },
+    }
