@@ -597,7 +597,9 @@ def nitro_parent_container(
         NITRO_ENCLAVE_CPUS: str(cfg.nitro_enclave_cpus),
         HUGEPAGES_1GI: f"{cfg.nitro_hugepages_gi}Gi",
     }
-    ready = {"httpGet": {"path": "/readyz", "port": NITRO_READY_PORT}}
+    def ready() -> dict[str, Any]:
+        return {"httpGet": {"path": "/readyz", "port": NITRO_READY_PORT}}
+
     env = [
         *copy.deepcopy(_POD_ENV),
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -624,8 +626,8 @@ def nitro_parent_container(
             "limits": {"memory": "256Mi", **extended},
         },
         # the enclave boots, attests and starts Envoy: the application containers wait for it
-        "startupProbe": {**ready, "periodSeconds": 2, "failureThreshold": 150},
-        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3},
+        "startupProbe": {**ready(), "periodSeconds": 2, "failureThreshold": 150},
+        "readinessProbe": {**ready(), "periodSeconds": 5, "failureThreshold": 3},
         "securityContext": _security_context(cfg),
     }
 

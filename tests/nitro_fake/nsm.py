@@ -88,7 +88,7 @@ def make_test_pki(directory: Path, now: datetime | None = None) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
-class TestNsm:
+class FakeNsm:
     pki: Path
     pcrs: dict[int, bytes]
     module_id: str
@@ -140,11 +140,11 @@ def write_device(path: Path, pki: Path, pcrs: dict[int, bytes], module_id: str) 
     path.write_text(json.dumps(doc))
 
 
-def load_device(fd: int) -> TestNsm:
+def load_device(fd: int) -> FakeNsm:
     size = os.fstat(fd).st_size
     doc = json.loads(os.pread(fd, size, 0))
     pcrs = {int(i): bytes.fromhex(v) for i, v in doc["pcrs"].items()}
-    return TestNsm(Path(doc["pki"]), pcrs, doc["module_id"])
+    return FakeNsm(Path(doc["pki"]), pcrs, doc["module_id"])
 
 
 def ioctl(fd: int, request: int, message: bytearray) -> int:
