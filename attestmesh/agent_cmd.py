@@ -68,6 +68,9 @@ def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--secret-file-mode", type=lambda v: int(v, 8), default=0o400, help="octal (0400)"
     )
+    from attestmesh.cp_attest import add_gate_arguments
+
+    add_gate_arguments(a)
     return a
 
 
@@ -210,6 +213,11 @@ def run_agent(args: argparse.Namespace) -> int:
         return _check(args)
     source = _source(args)
     bundle = args.ca_bundle.read_bytes()
+    from attestmesh.cp_attest import gate_from_args
+
+    gate = gate_from_args(args, bundle)  # --control-plane-policy: no evidence to an unverified one
+    if gate is not None:
+        source = gate.guard(source)
 
     def token() -> str | None:
         return args.token_file.read_text().strip() if args.token_file else None
@@ -222,6 +230,12 @@ def run_agent(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         fetcher, socket_runner = await _secret_fetcher(args, bundle)
+        gate_task = None
+        if gate is not None:
+            if not await gate.refresh():
+                assert gate.last_error is not None
+                log.error("control plane not verified: %s", gate.last_error)
+            gate_task = asyncio.create_task(gate.run(stop))
         agent = Agent(
             url=args.control_plane,
             workload=args.workload,
@@ -238,6 +252,10 @@ def run_agent(args: argparse.Namespace) -> int:
                     tg.create_task(agent.run(stop))
                     tg.create_task(fetcher.run(stop))
         finally:
+            if gate_task is not None:
+                gate_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gate_task
             if socket_runner is not None:
                 await socket_runner.cleanup()
             server.close()

@@ -103,6 +103,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         )
         server_names = (*kube_settings.service_dns_names(), "localhost")
 
+    from attestmesh import cp_attest
     from attestmesh.listen import limits_from_args
     from attestmesh.secret_release import settings_from_args as secret_settings_from_args
 
@@ -133,6 +134,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         server_names=server_names,
         store=args.store,
         secrets=secret_settings_from_args(args),
+        self_attestation=cp_attest.self_source_from_args(args),
     )
 
     async def main() -> None:
@@ -337,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     from attestmesh.secret_release import add_arguments as add_secret_arguments
 
     add_secret_arguments(cp)
+    from attestmesh import cp_attest
+
+    cp_attest.add_self_arguments(cp)
     k = cp.add_argument_group(
         "Kubernetes mode",
         "policies from AttestationPolicy/MeshPolicy resources, workloads from injected pods, "
@@ -414,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify_cmd.add_parser(sub)
     inspect_cmd.add_parser(sub)
+    cp_attest.add_parser(sub)
     lint.add_parser(sub).set_defaults(func=lint.run)
     from attestmesh import nitro_cmd  # enclave-init, nitro-parent, policy from-eif
 
@@ -433,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(3) from None
         raise
     quiet = args.command in ("demo", "verify", "lint", "bootstrap", "quarantine", "inspect")
+    quiet = quiet or args.command == "verify-controlplane"
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -36,6 +36,7 @@ from attestmesh.controlplane import (
     Publisher,
     RegistrationTokenCheck,
 )
+from attestmesh.cp_attest import SelfAttestation
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
 from attestmesh.secret_release import SecretReleaseSettings
@@ -56,6 +57,7 @@ from certs.evidence.composite import attach_gpus
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.policy import parse_policies
+from sidecar.agent import EvidenceSource
 from xds.cache import SnapshotCache
 from xds.meshpolicy import parse_mesh_policies
 from xds.pb import install_validator_cache
@@ -96,6 +98,8 @@ class ControlPlaneSettings:
     policy_poll: timedelta = timedelta(seconds=2)
     server_names: tuple[str, ...] = field(default=("localhost",))
     listen: ListenLimits = field(default_factory=ListenLimits)  # every port: timeouts, caps
+    # evidence of the control plane's own TEE, bound to its serving key (attestmesh.cp_attest)
+    self_attestation: EvidenceSource | None = None
     secrets: SecretReleaseSettings | None = None  # secret release (OpenBao) on its own port
     # None: SQLite at <state_dir>/state.sqlite3 (one replica); postgresql://...: the shared
     # PostgreSQL store of several replicas (xds.store_pg)
@@ -578,7 +582,13 @@ async def run_control_plane(
         xds_tls = None if settings.xds_plaintext else _xds_tls(cp.ca)
         contexts = [tls] if xds_tls is None else [tls, xds_tls]
         _load_server_cert(contexts, cp.ca, settings, datetime.now(UTC))
-        api_runner = web.AppRunner(api.build_app(cp, metrics), access_log=None)
+        api_app = api.build_app(cp, metrics)
+        if settings.self_attestation is not None:  # the control plane runs in a TEE
+            tls_chain = settings.state_dir / "tls" / "server.pem"
+            SelfAttestation(
+                settings.self_attestation, tls_chain.read_bytes, lambda: cp.ca.bundle_pem
+            ).route(api_app)
+        api_runner = web.AppRunner(api_app, access_log=None)
         ops_app = build_ops_app(cp, metrics, ensure_ops_token(settings.state_dir))
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
