@@ -62,6 +62,7 @@ from xds.state import (
     IssuedCert,
     MeshState,
     Registration,
+    Revocation,
     Status,
     Trigger,
     WorkloadState,
@@ -75,6 +76,7 @@ from xds.state import (
     withdraw,
 )
 from xds.store import Batch, StateStore, StoreConflict
+from xds.store_pg import Changes
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
@@ -217,6 +219,8 @@ class ControlPlane:
         # rows adopted from the store (another replica's), newer than the states of
         # announcements decided before: name -> (gen adopted at, row or None: gone)
         self._adopted: dict[str, tuple[int, WorkloadState | None]] = {}
+        self._trust_adopted_gen = -1  # announcements up to this gen predate adopted revocations
+        self._inflight: dict[str, int] = {}  # name -> this replica's batches not yet resolved
         self._pruned_at: datetime | None = None
         self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
         self._listeners: list[Callable[[MeshState, Collection[str]], None]] = []
@@ -314,10 +318,18 @@ class ControlPlane:
             self._announce(announce)
             return None
         self._last_write = durable
+        for name in announce.changed:
+            self._inflight[name] = self._inflight.get(name, 0) + 1
         durable.add_done_callback(lambda f: self._committed(f, announce))
         return durable
 
     def _committed(self, durable: asyncio.Future[None], announce: _Announcement) -> None:
+        for name in announce.changed:
+            left = self._inflight.get(name, 0) - 1
+            if left > 0:
+                self._inflight[name] = left
+            else:
+                self._inflight.pop(name, None)
         if not durable.cancelled() and isinstance(durable.exception(), StoreConflict):
             self._conflicted(durable.exception(), announce)  # type: ignore[arg-type]
             return
@@ -353,10 +365,44 @@ class ControlPlane:
             except AttestmeshError as exc:
                 log.warning("deciding again after a conflict failed: %s", exc)
 
-    def adopt_rows(self, rows: Mapping[str, WorkloadState | None]) -> None:
+    def adopt_changes(self, changes: Changes) -> None:
+        """What other replicas committed (``xds.store_pg.ChangeFeed``), on the loop: their
+        rows and revocations become this replica's view and are announced (xDS, CRL). A row
+        this replica has a write in flight for is left alone: that write either commits (it
+        was decided on the stored row) or is refused and adopts the stored row then."""
+        mine = self._state.workloads
+        rows = {
+            n: w
+            for n, w in changes.workloads.items()
+            if n not in self._inflight and mine.get(n) != w
+        }
+        unrevoked = changes.unrevoked
+        if changes.resync:  # everything stored was delivered: the rest is gone
+            rows.update(
+                (n, None) for n in mine if n not in changes.workloads and n not in self._inflight
+            )
+            unrevoked = frozenset(
+                {r.serial for r in self._state.revocations} - {r.serial for r in changes.revoked}
+            )
+        self.adopt_rows(rows, changes.revoked, unrevoked)
+
+    def adopt_rows(
+        self,
+        rows: Mapping[str, WorkloadState | None],
+        revoked: Sequence[Revocation] = (),
+        unrevoked: Collection[int] = (),
+    ) -> None:
         """Make durable rows written elsewhere (another replica) this replica's view: the
-        state decisions see, the deadlines, and (coalesced) the next announcement."""
-        if not rows:
+        state decisions see, the deadlines, the CRL, and (coalesced) the next announcement."""
+        have = {r.serial for r in self._state.revocations}
+        revoked = [r for r in revoked if r.serial not in have]
+        unrevoked = frozenset(unrevoked) & have
+        if revoked or unrevoked:
+            kept = tuple(r for r in self._state.revocations if r.serial not in unrevoked)
+            self._state = replace(self._state, revocations=kept + tuple(revoked))
+            self._trust = self._build_trust(self._clock())
+            self._trust_adopted_gen = self._gen
+        elif not rows:
             return
         old = self._state
         workloads = dict(old.workloads)
@@ -385,7 +431,9 @@ class ControlPlane:
                 return
             self._flush()
         else:
-            self._pending = replace(pending, changed=pending.changed | announce.changed)
+            self._pending = replace(
+                pending, trust=self._trust, changed=pending.changed | announce.changed
+            )
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None
@@ -408,7 +456,10 @@ class ControlPlane:
             if a.gen > 0:  # announced states from now on derive from the adopted rows
                 self._adopted = {n: v for n, v in self._adopted.items() if v[0] >= a.gen}
         self._announced = state
-        self._publisher.publish(state, self._mesh_policies, a.trust, changed)
+        # a state decided before revocations were adopted still gets them (the CRL never
+        # goes back); revoking early is the safe side
+        trust = self._trust if a.gen <= self._trust_adopted_gen else a.trust
+        self._publisher.publish(state, self._mesh_policies, trust, changed)
         if a.events:
             self._publisher.on_events(state, a.events)
 

@@ -66,7 +66,7 @@ from xds.registrations import parse_registrations
 from xds.server import AdsServer, PeerIdentity, warm
 from xds.state import MeshState, Registration, Status, Trigger
 from xds.store import GroupCommitStore
-from xds.store_pg import open_store
+from xds.store_pg import Changes, follow, open_store
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +298,12 @@ def build_control_plane(
     # Group commit: one writer thread, one fsync for every transition waiting for it; the loop
     # never waits on the disk (a transition is announced, and answered, once durable).
     store = open_store(settings.store or settings.state_dir / "state.sqlite3")
-    state = store.load(settings.trust_domain)
     loop = asyncio.get_running_loop()
+    adopt: list[Callable[[Changes], None]] = []
+    # PostgreSQL (several replicas): what the others commit reaches this one's view and xDS
+    state, feed = follow(
+        store, settings.trust_domain, lambda ch: loop.call_soon_threadsafe(adopt[0], ch)
+    )
     publisher = XdsPublisher(
         cache, defer=lambda fanout: loop.call_later(TRUST_FANOUT_DELAY.total_seconds(), fanout)
     )
@@ -320,6 +324,10 @@ def build_control_plane(
         collateral_sources=collateral_sources,
         limiter=AttestationLimiter(settings.attest_burst, settings.attest_refill),
     )
+    adopt.append(cp.adopt_changes)
+    if feed is not None:
+        store.attach(feed)  # closed with the store
+        feed.start()
     cp.register(registrations)  # persists what changed (awaited before serving: cp.flushed)
     return cp, publisher, store
 

@@ -212,6 +212,10 @@ class StateStore(Protocol):
     def close(self) -> None: ...
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class StoreReader(Protocol):
     """A second connection for reads while a writer thread owns the first."""
 
@@ -907,6 +911,7 @@ class GroupCommitStore:
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._put_lock = threading.Lock()
         self._closed = False
+        self._attached: list[Closable] = []
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
@@ -950,7 +955,14 @@ class GroupCommitStore:
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
         return self._reader.events(workload, limit)
 
+    def attach(self, other: Closable) -> None:
+        """Close ``other`` (a change feed following this database, say) first on ``close``."""
+        self._attached.append(other)
+
     def close(self) -> None:
+        for other in self._attached:
+            other.close()
+        self._attached.clear()
         with self._put_lock:
             if self._closed:
                 return

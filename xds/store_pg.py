@@ -23,16 +23,19 @@ know; the control plane fails stop either way) and is replaced on the next use.
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from xds.state import Event, MeshState, Revocation
+from xds.state import Event, MeshState, Revocation, WorkloadState
 from xds.store import (
     _KIND,
     _TRIGGER,
@@ -55,10 +58,15 @@ from xds.store import (
     workload_from_doc,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "PG_MIGRATIONS",
     "PG_SCHEMA_VERSION",
+    "ChangeFeed",
+    "Changes",
     "PostgresStore",
+    "follow",
     "is_postgres_url",
     "migrate_pg",
     "open_store",
@@ -70,6 +78,11 @@ __all__ = [
 MIGRATION_LOCK = 0x6174_7465_7374_6D73
 # the first key of the two-key advisory locks taken per workload name (hashtext) by a commit
 ROW_LOCK_SPACE = 0x616D_7277  # "amrw"
+# taken last by every commit that changes rows: change numbers are allocated in commit order,
+# so a follower that has read up to N never sees N+1 appear later
+CHANGES_LOCK = 0x6174_6368_616E_6765
+CHANNEL = "attestmesh_changes"
+DEFAULT_MAX_CHANGES = 100_000
 CONNECT_TIMEOUT_SECONDS = 5
 
 PG_MIGRATIONS: tuple[Migration, ...] = (
@@ -84,6 +97,14 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
             "workload text NOT NULL, trigger text, reason text NOT NULL, "
             "code text NOT NULL DEFAULT '', platform integer NOT NULL DEFAULT 0)",
             "CREATE INDEX events_by_workload ON events(workload, id)",
+        ),
+    ),
+    Migration(
+        2,
+        "the change log other replicas follow (LISTEN attestmesh_changes + catch-up by seq)",
+        (
+            "CREATE TABLE changes (seq bigserial PRIMARY KEY, kind text NOT NULL, "
+            "key text NOT NULL, origin text NOT NULL)",
         ),
     ),
 )
@@ -173,19 +194,30 @@ def migrate_pg(
 
 
 def _load(conn: psycopg.Connection[Any], trust_domain: str) -> MeshState:
-    loads = json.loads
-    with conn.transaction():  # one snapshot for both tables
+    return _load_at(conn, trust_domain)[0]
+
+
+def _load_at(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshState, int]:
+    """Everything, and the last change number it includes (one snapshot)."""
+    with conn.transaction():  # one snapshot for every table
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        rows = conn.execute("SELECT name, doc FROM workloads ORDER BY name").fetchall()
-        revs = conn.execute(
-            "SELECT serial, workload, not_after, revoked_at FROM revocations "
-            "ORDER BY revoked_at, serial"
-        ).fetchall()
+        return _load_in(conn, trust_domain)
+
+
+def _load_in(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshState, int]:
+    """``_load_at`` inside the caller's (repeatable read) transaction."""
+    loads = json.loads
+    rows = conn.execute("SELECT name, doc FROM workloads ORDER BY name").fetchall()
+    revs = conn.execute(
+        "SELECT serial, workload, not_after, revoked_at FROM revocations "
+        "ORDER BY revoked_at, serial"
+    ).fetchall()
+    got = conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()
     workloads = {name: workload_from_doc(loads(doc)) for name, doc in rows}
     revocations = tuple(
         Revocation(int(s), _from_iso(na), _from_iso(ra), w) for s, w, na, ra in revs
     )
-    return MeshState(trust_domain, workloads, revocations)
+    return MeshState(trust_domain, workloads, revocations), int(got[0]) if got else 0
 
 
 def _events(conn: psycopg.Connection[Any], workload: str | None, limit: int) -> list[Event]:
@@ -255,6 +287,11 @@ class _PgReader:
         state: MeshState = _read(self._c, "load", _load, trust_domain)
         return state
 
+    def load_at(self, trust_domain: str) -> tuple[MeshState, int]:
+        """``load`` and the last change number it includes (where a ``ChangeFeed`` starts)."""
+        got: tuple[MeshState, int] = _read(self._c, "load", _load_at, trust_domain)
+        return got
+
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
         events: list[Event] = _read(self._c, "events", _events, workload, limit)
         return events
@@ -277,12 +314,18 @@ class PostgresStore:
         max_events: int = DEFAULT_MAX_EVENTS,
         prune_slack: int | None = None,
         migrations: Sequence[Migration] = PG_MIGRATIONS,
+        origin: str | None = None,
+        max_changes: int = DEFAULT_MAX_CHANGES,
     ) -> None:
-        if max_events < 1:
-            raise ValueError("max_events must be at least 1")
+        if max_events < 1 or max_changes < 1:
+            raise ValueError("max_events and max_changes must be at least 1")
         if not is_postgres_url(url):
             raise ValueError(f"not a postgresql:// URL: {redact_url(url)}")
         self.url = url
+        # who wrote a change (its own followers skip it); one per process
+        self.origin = origin or secrets.token_hex(8)
+        self.max_changes = max_changes
+        self._changes_pruned_below = 0
         self.max_events = max_events
         self.prune_slack = max_events // 100 if prune_slack is None else prune_slack
         self._c = _Connection(url)
@@ -395,7 +438,26 @@ class PostgresStore:
                 )
             rows, outcomes, applied = decide_group(stored, group)
             pruned_below = self._write_rows(conn, rows)
+            self._log_changes(conn, rows)
         return rows, outcomes, applied, pruned_below
+
+    def _log_changes(self, conn: psycopg.Connection[Any], rows: _Rows) -> None:
+        """One change row per workload and revocation written, then NOTIFY (delivered on
+        commit); under CHANGES_LOCK, held until the commit, so numbers follow commit order."""
+        kinds = ["w"] * len(rows.workloads) + ["r"] * len(rows.revocations)
+        if not kinds:
+            return
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGES_LOCK,))
+        got = conn.execute(
+            "INSERT INTO changes(kind, key, origin) SELECT k, key, %s "
+            "FROM unnest(%s::text[], %s::text[]) AS u(k, key) RETURNING seq",
+            (self.origin, kinds, [*rows.workloads, *rows.revocations]),
+        ).fetchall()
+        last = max(seq for (seq,) in got)
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{last} {self.origin}"))
+        if last - self.max_changes > self._changes_pruned_below + self.max_changes // 100:
+            self._changes_pruned_below = last - self.max_changes
+            conn.execute("DELETE FROM changes WHERE seq <= %s", (self._changes_pruned_below,))
 
     def _write_rows(self, conn: psycopg.Connection[Any], rows: _Rows) -> int:
         upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
@@ -452,3 +514,184 @@ if TYPE_CHECKING:
 
     def _conforms(a: PostgresStore) -> tuple[StateStore, CommitBackend]:
         return a, a
+
+
+# ---------------------------------------------------------------------------------------------
+# Following the other replicas
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What other replicas committed since the follower's last read, as the rows are now.
+
+    ``workloads``: name -> stored row (None: deleted); ``revoked``: revocations stored now;
+    ``unrevoked``: serials no longer stored. ``resync``: the change log no longer reached back
+    to where the follower was (pruned): ``workloads`` and ``revoked`` are then everything
+    stored, and anything else the follower holds is gone. ``seq``: the last change included."""
+
+    seq: int
+    workloads: dict[str, WorkloadState | None]
+    revoked: tuple[Revocation, ...] = ()
+    unrevoked: frozenset[int] = frozenset()
+    resync: bool = False
+
+
+class ChangeFeed:
+    """A thread that follows the change log of one PostgreSQL database for one replica.
+
+    It LISTENs on ``attestmesh_changes`` and, on every notification (and every
+    ``poll_seconds`` as a backstop), reads the changes numbered after the last it delivered,
+    skipping its own replica's (``origin``), with the rows they name as stored now, in one
+    snapshot; ``deliver`` is called on this thread (the control plane hands it to its loop).
+    After a lost connection it reconnects (every ``retry_seconds``) and catches up from the
+    same number, so nothing is missed; if the log was pruned past that number it delivers a
+    full ``resync``. ``last_contact`` (monotonic) is the last time the database answered."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        origin: str,
+        after: int,
+        trust_domain: str,
+        deliver: Callable[[Changes], object],
+        poll_seconds: float = 0.5,
+        retry_seconds: float = 0.5,
+        batch: int = 5000,
+    ) -> None:
+        self.url = url
+        self.origin = origin
+        self.after = after
+        self.trust_domain = trust_domain
+        self._deliver = deliver
+        self._poll = poll_seconds
+        self._retry = retry_seconds
+        self._batch = batch
+        self._closed = threading.Event()
+        self.connected = False
+        self.last_contact = time.monotonic()
+        self.reconnects = 0
+        self.delivered = 0
+        self._thread = threading.Thread(target=self._run, name="attestmesh-changefeed", daemon=True)
+
+    def start(self) -> ChangeFeed:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(
+                    self.url,
+                    autocommit=True,
+                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                    application_name="attestmesh-changefeed",
+                ) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}".encode())
+                    self.connected = True
+                    self._catch_up(conn)
+                    while not self._closed.is_set():
+                        for _ in conn.notifies(timeout=self._poll, stop_after=1):
+                            pass
+                        self._catch_up(conn)
+            except psycopg.Error as exc:
+                if self.connected:
+                    log.warning("change feed lost %s: %s", redact_url(self.url), exc)
+                self.connected = False
+                self.reconnects += 1
+                self._closed.wait(self._retry)
+        self.connected = False
+
+    def _catch_up(self, conn: psycopg.Connection[Any]) -> None:
+        while True:
+            changes, full = self._read(conn)
+            self.last_contact = time.monotonic()
+            if changes is None:
+                return
+            self.after = changes.seq
+            if changes.workloads or changes.revoked or changes.unrevoked or changes.resync:
+                try:
+                    self._deliver(changes)
+                except RuntimeError:  # the receiving loop is closed: shutting down
+                    self._closed.set()
+                    return
+                self.delivered += 1
+            if not full:
+                return
+
+    def _read(self, conn: psycopg.Connection[Any]) -> tuple[Changes | None, bool]:
+        loads = json.loads
+        with conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            first = conn.execute("SELECT min(seq) FROM changes").fetchone()
+            if first and first[0] is not None and int(first[0]) > self.after + 1:
+                state, seq = _load_in(conn, self.trust_domain)
+                return (
+                    Changes(seq, dict(state.workloads), state.revocations, resync=True),
+                    False,
+                )
+            rows = conn.execute(
+                "SELECT seq, kind, key, origin FROM changes WHERE seq > %s ORDER BY seq LIMIT %s",
+                (self.after, self._batch),
+            ).fetchall()
+            if not rows:
+                return None, False
+            names = sorted({k for _, kind, k, o in rows if kind == "w" and o != self.origin})
+            serials = sorted({k for _, kind, k, o in rows if kind == "r" and o != self.origin})
+            docs = dict(
+                conn.execute(
+                    "SELECT name, doc FROM workloads WHERE name = ANY(%s::text[])", (names,)
+                ).fetchall()
+                if names
+                else []
+            )
+            revs = (
+                conn.execute(
+                    "SELECT serial, workload, not_after, revoked_at FROM revocations "
+                    "WHERE serial = ANY(%s::text[])",
+                    (serials,),
+                ).fetchall()
+                if serials
+                else []
+            )
+        workloads: dict[str, WorkloadState | None] = {
+            n: workload_from_doc(loads(docs[n])) if n in docs else None for n in names
+        }
+        revoked = tuple(
+            Revocation(int(s), _from_iso(na), _from_iso(ra), w) for s, w, na, ra in revs
+        )
+        stored = {str(r.serial) for r in revoked}
+        unrevoked = frozenset(int(s) for s in serials if s not in stored)
+        seq = int(rows[-1][0])
+        return Changes(seq, workloads, revoked, unrevoked), len(rows) == self._batch
+
+
+def follow(
+    store: GroupCommitStore,
+    trust_domain: str,
+    deliver: Callable[[Changes], object],
+    **options: Any,
+) -> tuple[MeshState, ChangeFeed | None]:
+    """The state to start from and, for a PostgreSQL store, the feed of the other replicas'
+    changes after it (not started). SQLite: the state and None (one replica)."""
+    backend = store.backend
+    if not isinstance(backend, PostgresStore):
+        return store.load(trust_domain), None
+    reader = _PgReader(backend.url)
+    try:
+        state, seq = reader.load_at(trust_domain)
+    finally:
+        reader.close()
+    feed = ChangeFeed(
+        backend.url,
+        origin=backend.origin,
+        after=seq,
+        trust_domain=trust_domain,
+        deliver=deliver,
+        **options,
+    )
+    return state, feed

@@ -4,6 +4,7 @@ shared (one trust)."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,18 +34,30 @@ from tests.unit.fixtures_core import (
 )
 from xds.state import Registration
 from xds.store import GroupCommitStore
-from xds.store_pg import open_store
+from xds.store_pg import follow, open_store
 
 PLATFORM = ec.generate_private_key(ec.SECP256R1())
 
 
 class Replica:
-    def __init__(self, url: str, ca_dir: Path, clock: Clock) -> None:
+    """``follow``: the change feed runs (as ``attestmesh controlplane`` wires it), else the
+    replica sees other replicas' changes only when the database refuses its decisions."""
+
+    def __init__(
+        self, url: str, ca_dir: Path, clock: Clock, *, follow_changes: bool = False
+    ) -> None:
         self.store: GroupCommitStore = open_store(url)
         self.publisher = RecordingPublisher()
         self.metrics = Metrics()
+        loop = asyncio.get_running_loop()
+        state, feed = follow(
+            self.store,
+            TRUST_DOMAIN,
+            lambda ch: loop.call_soon_threadsafe(self.cp.adopt_changes, ch),
+        )
+        self.feed = feed if follow_changes else None
         self.cp = ControlPlane(
-            state=self.store.load(TRUST_DOMAIN),
+            state=state,
             store=self.store,
             ca=CertificateAuthority.load_or_create(ca_dir, TRUST_DOMAIN, clock()),
             verifiers={Tee.SIM: SimVerifier([PLATFORM.public_key()])},
@@ -57,6 +70,9 @@ class Replica:
             random_bytes=secrets.token_bytes,
             limiter=AttestationLimiter(burst=1000),
         )
+        if self.feed is not None:
+            self.store.attach(self.feed)
+            self.feed.start()
 
     async def register(self, regs: Sequence[Registration]) -> None:
         self.cp.register(regs)
