@@ -145,7 +145,14 @@ def _controlplane(args: argparse.Namespace) -> int:
 
             kube = connect(args.kubeconfig, kube_settings.request_timeout)
             hooks = KubeMode(kube, kube_settings, metrics, state_dir=settings.state_dir).hooks()
-        await run_control_plane(settings, asyncio.Event(), metrics=metrics, hooks=hooks)
+        # SIGTERM (a pod's deletion) shuts down cleanly: the leader hands its Lease over
+        # instead of leaving the other replicas to wait for it to expire
+        import signal
+
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await run_control_plane(settings, stop, metrics=metrics, hooks=hooks)
 
     try:
         asyncio.run(main())

@@ -44,7 +44,7 @@ class Env:
     sim_key: Path
 
 
-def _ns(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def namespace_doc(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Namespace",
@@ -52,7 +52,7 @@ def _ns(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     }
 
 
-def _sa(ns: str, name: str) -> dict[str, Any]:
+def service_account_doc(ns: str, name: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
@@ -71,14 +71,25 @@ def service_account_token(admin: Rest, ns: str, sa: str, **spec: Any) -> str:
     return str(out["status"]["token"])
 
 
+def pod_token(admin: Rest, pod: dict[str, Any], audience: str = "attestmesh") -> str:
+    """A real TokenRequest token of the pod's service account bound to the pod (what the
+    kubelet projects into an injected pod)."""
+    meta = pod["metadata"]
+    ref = {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}
+    return service_account_token(
+        admin, meta["namespace"], pod["spec"]["serviceAccountName"],
+        audiences=[audience], expirationSeconds=600, boundObjectRef=ref,
+    )  # fmt: skip
+
+
 def make_env(cluster: Cluster, admin: Rest, workdir: Path) -> Env:
     """Namespaces, service accounts, the control plane's token kubeconfig, and the webhook
     configuration pointed at a free loopback port (manifests/ must be installed)."""
-    admin.apply(_ns(SHOP, {"attestmesh.dev/inject": "enabled"}))
-    admin.apply(_ns(STORE))
+    admin.apply(namespace_doc(SHOP, {"attestmesh.dev/inject": "enabled"}))
+    admin.apply(namespace_doc(STORE))
     for ns in (SHOP, STORE):
-        admin.apply(_sa(ns, "web"))
-        admin.apply(_sa(ns, "other"))
+        admin.apply(service_account_doc(ns, "web"))
+        admin.apply(service_account_doc(ns, "other"))
     token = service_account_token(admin, "attestmesh-system", "attestmesh-controlplane")
     kubeconfig = cluster.token_kubeconfig("controlplane", token)
     port = free_port()
@@ -172,8 +183,10 @@ async def control_plane(env: Env, state_dir: Path, identity: str = "cp-0") -> As
             )
             return all(h["clientConfig"].get("caBundle") == bundle for h in hook["webhooks"])
 
-        if mode.elector.is_leader:
-            await until(bundled, what="caBundle written")
+        # the tests expect this replica to act: the Lease may still be held by a replica
+        # killed without handing it over (until it expires)
+        await until(lambda: mode.elector.is_leader or None, timeout=40, what="leadership")
+        await until(bundled, what="caBundle written")
         yield Plane(running, mode, settings)
     finally:
         stop.set()
@@ -206,16 +219,22 @@ def app_pod(
     }
 
 
-def injected_fixture_pod(name: str, ip: str) -> dict[str, Any]:
-    """A pod as the injector leaves it (annotations), stored as sent in the unlabelled ns."""
+def injected_fixture_pod(
+    name: str, ip: str = "", *, ns: str = STORE, sa: str = "web", **spec: Any
+) -> dict[str, Any]:
+    """A pod as the injector leaves it (annotations), stored as sent in a namespace without
+    injection (``ip``: documentation; ``running_pod`` gives it)."""
     return app_pod(
         name,
-        STORE,
+        ns,
         annotations={
             "attestmesh.dev/injected": "true",
             "attestmesh.dev/inbound-port": "15006",
             "attestmesh.dev/app-port": "8080",
         },
+        labels={"app": sa},
+        serviceAccountName=sa,
+        **spec,
     )
 
 

@@ -33,17 +33,22 @@ from tests.kube_real.plane import (
     SHOP,
     STORE,
     Env,
+    Plane,
     app_pod,
     control_plane,
     create,
     injected_fixture_pod,
     make_env,
+    namespace_doc,
+    pod_token,
     policy,
     running_pod,
+    service_account_doc,
     service_account_token,
 )
 from tests.kube_real.rest import Rest, until, wait_for
 from tests.unit.inject.jsonpatch import apply_patch
+from tests.unit.xds.test_xds_build import principals
 from xds.kube import (
     CONDITION_ACCEPTED,
     CONDITION_ATTESTED,
@@ -379,6 +384,10 @@ def test_two_replicas_one_lease_exactly_one_acts_and_the_other_takes_over(
         (event,) = wait_for(lambda: invalid_events(admin, "no-nitro-values-2"), 20, "Invalid Event")
         assert event["reportingInstance"] == follower.identity, event
         assert follower.proc.poll() is None, follower.output()
+        # SIGTERM (what the kubelet sends a deleted pod): a clean exit that hands the Lease over
+        follower.proc.terminate()
+        assert follower.proc.wait(20) == 0, follower.output()
+        assert not lease(admin)["spec"].get("holderIdentity")
     finally:
         for r in replicas:
             if r.proc.poll() is None:
@@ -390,3 +399,110 @@ def test_two_replicas_one_lease_exactly_one_acts_and_the_other_takes_over(
                     r.proc.wait(5)
         admin.delete(GROUP_VERSION, "AttestationPolicy", STORE, "no-nitro-values")
         admin.delete(GROUP_VERSION, "AttestationPolicy", STORE, "no-nitro-values-2")
+
+
+# -- AttestationPolicy / MeshPolicy through the server -> state and Envoy configuration -------
+
+MESH = "mesh"
+
+
+def mesh_policy(name: str, dest_sa: str, *sources: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": GROUP_VERSION,
+        "kind": "MeshPolicy",
+        "metadata": {"name": name, "namespace": MESH},
+        "spec": {"destination": {"serviceAccount": dest_sa}, "rules": [{"from": list(sources)}]},
+    }
+
+
+def principals_of(plane: Plane, node: str) -> list[str] | None:
+    """The callers the node's inbound RBAC admits, in the snapshot ADS serves it."""
+    snap = plane.running.publisher._cache.get(node)
+    return None if snap is None else principals(snap)
+
+
+async def test_policy_changes_through_the_server_reach_state_and_envoy_configuration(
+    env: Env, tmp_path: Path
+) -> None:
+    admin = env.admin
+    await asyncio.to_thread(admin.apply, namespace_doc(MESH))
+    for sa in ("web", "front", "batch"):
+        await asyncio.to_thread(admin.apply, service_account_doc(MESH, sa))
+    both = {"serviceAccounts": ["web", "front", "batch"]}
+    await asyncio.to_thread(admin.apply, policy("all", MESH, selector=both))
+    front_id, batch_id = (
+        f"spiffe://attestmesh.local/ns/{MESH}/sa/{sa}" for sa in ("front", "batch")
+    )
+    async with control_plane(env, tmp_path / "state") as plane:
+        cp = plane.running.cp
+        pods = {
+            sa: await running_pod(admin, injected_fixture_pod(f"{sa}-0", ns=MESH, sa=sa), ip)
+            for sa, ip in (("web", "10.2.0.5"), ("front", "10.2.0.6"), ("batch", "10.2.0.7"))
+        }
+        async with aiohttp.ClientSession() as session:
+            for sa, pod in pods.items():
+                name = f"{MESH}/{sa}-0"
+                await until(lambda n=name: cp.state.workloads.get(n), what=f"{name} registered")  # type: ignore[misc]
+                token = await asyncio.to_thread(pod_token, admin, pod)
+                await plane.agent(name, token).attest_once(session)
+        web = f"{MESH}/web-0"
+        assert principals_of(plane, web) == []  # no MeshPolicy: nobody may call web
+
+        # a MeshPolicy created through the server: web's Envoy admits front
+        await asyncio.to_thread(
+            admin.apply, mesh_policy("web-callers", "web", {"serviceAccount": "front"})
+        )
+        await until(lambda: principals_of(plane, web) == [front_id] or None, what="front admitted")
+        assert [p.name for p in cp.mesh_policies] == ["web-callers"]
+        # changed: batch instead of front
+        await asyncio.to_thread(
+            admin.apply, mesh_policy("web-callers", "web", {"serviceAccount": "batch"})
+        )
+        await until(lambda: principals_of(plane, web) == [batch_id] or None, what="batch admitted")
+        # an invalid change 1.20 stores (its CEL rule is dropped) and the parser refuses: the
+        # previous version stays in force, the status says why
+        broken = mesh_policy("web-callers", "web", {"identity": front_id, "namespace": MESH})
+        await asyncio.to_thread(admin.apply, broken)
+
+        def refused() -> Any:
+            obj = admin.get(GROUP_VERSION, "MeshPolicy", MESH, "web-callers")
+            conds = (obj.get("status") or {}).get("conditions", [])
+            return next(
+                (c for c in conds if c["type"] == CONDITION_ACCEPTED and c["status"] == "False"),
+                None,
+            )
+
+        cond = await until(refused, what="Accepted=False")
+        assert "previous valid version stays in force" in cond["message"], cond
+        assert principals_of(plane, web) == [batch_id]
+        # deleted: nobody again
+        await asyncio.to_thread(admin.delete, GROUP_VERSION, "MeshPolicy", MESH, "web-callers")
+        await until(lambda: principals_of(plane, web) == [] or None, what="nobody admitted")
+        assert cp.mesh_policies == ()
+
+        # an AttestationPolicy change through the server: the good measurement is no longer
+        # allowed; the control plane re-appraises what web presented against it and quarantines
+        # web, whose next attestation is refused
+        assert cp.status_of(web) is Status.ATTESTED
+        strict = policy("all", MESH, selector=both)
+        strict["spec"]["referenceValues"] = {"sim": {"measurement": [BAD.hex()]}}
+        await asyncio.to_thread(admin.apply, strict)
+        await until(
+            lambda: cp.status_of(web) is Status.QUARANTINED or None, what="web re-appraised"
+        )
+        async with aiohttp.ClientSession() as session:
+            token = await asyncio.to_thread(pod_token, admin, pods["web"])
+            with pytest.raises(AgentError) as exc:
+                await plane.agent(web, token).attest_once(session)
+        assert exc.value.status == 403
+        # the quarantine reached the pod through the server
+        await until(
+            lambda: (
+                (admin.get("v1", "Pod", MESH, "web-0")["metadata"].get("labels") or {}).get(
+                    LABEL_QUARANTINED
+                )
+                == "true"
+                or None
+            ),
+            what="quarantine label",
+        )
