@@ -46,6 +46,8 @@ CORE = [(n, d) for n, d in DOCS if is_core(d["apiVersion"])]
 KARPENTER = [(n, d) for n, d in DOCS if group_of(d["apiVersion"]) in KARPENTER_GROUPS]
 PROJECT = [(n, d) for n, d in DOCS if group_of(d["apiVersion"]) == PROJECT_GROUP]
 NFD = [(n, d) for n, d in DOCS if group_of(d["apiVersion"]) == NFD_GROUP]
+MONITORING_GROUP = "monitoring.coreos.com"
+MONITORING = [(n, d) for n, d in DOCS if group_of(d["apiVersion"]) == MONITORING_GROUP]
 
 _LABEL_KEY = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -173,7 +175,7 @@ NFD_RULE_SCHEMA: dict[str, Any] = {
 
 def test_every_document_is_covered_by_a_validator() -> None:
     assert DOCS, "no manifests found"
-    covered = {n for n, _ in CORE + KARPENTER + PROJECT + NFD}
+    covered = {n for n, _ in CORE + KARPENTER + PROJECT + NFD + MONITORING}
     assert covered == {n for n, _ in DOCS}
     kinds = {d["kind"] for _, d in DOCS}
     assert {
@@ -191,6 +193,7 @@ def test_every_document_is_covered_by_a_validator() -> None:
         "NodeFeatureRule",
         "AttestationPolicy",
         "MeshPolicy",
+        "PrometheusRule",
     } <= kinds
 
 
@@ -568,3 +571,66 @@ def test_every_manifest_file_loads_as_yaml() -> None:
     assert "nodes/nitro/patches/device-plugin.yaml" in files
     for f in files:
         assert load_yaml_docs(MANIFESTS / f)
+
+
+# ------------------------------------------------------------------------------------------
+# PrometheusRule (monitoring.coreos.com/v1): no CRD is shipped in ../shared/schemas, so this is
+# the subset of the Prometheus Operator's API the project uses, written from its documentation.
+# The expressions themselves are checked by promtool (tests/unit/test_observability.py).
+
+_PROM_RULE = {
+    "type": "object",
+    "required": ["expr"],
+    "additionalProperties": False,
+    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+    "properties": {
+        "alert": {"type": "string", "minLength": 1},
+        "record": {"type": "string", "minLength": 1},
+        "expr": {"type": "string", "minLength": 1},
+        "for": {"type": "string", "pattern": r"^(\d+[smhdwy])+$"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+PROMETHEUS_RULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["groups"],
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "rules"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": {"type": "string"},
+                            "rules": {"type": "array", "minItems": 1, "items": _PROM_RULE},
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+
+
+def test_prometheus_rules_validate_and_a_broken_one_does_not() -> None:
+    jsonschema.Draft202012Validator.check_schema(PROMETHEUS_RULE_SCHEMA)
+    validator = jsonschema.Draft202012Validator(PROMETHEUS_RULE_SCHEMA)
+    assert MONITORING, "no PrometheusRule under manifests/"
+    for _, doc in MONITORING:
+        assert schema_errors(validator, doc) == []
+    broken = copy.deepcopy(MONITORING[0][1])
+    broken["spec"]["groups"][0]["rules"][0]["for"] = "ten minutes"
+    del broken["spec"]["groups"][0]["rules"][1]["expr"]
+    assert len(schema_errors(validator, broken)) >= 2
