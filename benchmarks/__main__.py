@@ -21,6 +21,7 @@ MODULES = [
     "benchmarks.bench_xds",
     "benchmarks.bench_delta",
     "benchmarks.bench_store",
+    "benchmarks.bench_replicas",
     "benchmarks.bench_demo",
 ]
 ARGS = {"benchmarks.bench_scale": shlex.split(os.environ.get("BENCH_SCALE_ARGS", "--n 1000,10000"))}

@@ -624,50 +624,43 @@ class ChangeFeed:
                 return
 
     def _read(self, conn: psycopg.Connection[Any]) -> tuple[Changes | None, bool]:
+        """One statement (one snapshot, one round trip): the changes after ``after``, each with
+        the row it names as stored now (other replicas' only), and the oldest change kept."""
         loads = json.loads
-        with conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            first = conn.execute("SELECT min(seq) FROM changes").fetchone()
-            if first and first[0] is not None and int(first[0]) > self.after + 1:
+        rows = conn.execute(
+            "SELECT c.seq, c.kind, c.key, c.origin, w.doc, r.workload, r.not_after, "
+            "r.revoked_at, (SELECT min(seq) FROM changes) FROM changes c "
+            "LEFT JOIN workloads w ON c.kind = 'w' AND c.origin <> %(me)s AND w.name = c.key "
+            "LEFT JOIN revocations r ON c.kind = 'r' AND c.origin <> %(me)s AND r.serial = c.key "
+            "WHERE c.seq > %(after)s ORDER BY c.seq LIMIT %(n)s",
+            {"me": self.origin, "after": self.after, "n": self._batch},
+        ).fetchall()
+        if not rows:
+            return None, False
+        if int(rows[0][8]) > self.after + 1:  # pruned past this follower: everything, anew
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 state, seq = _load_in(conn, self.trust_domain)
-                return (
-                    Changes(seq, dict(state.workloads), state.revocations, resync=True),
-                    False,
+            return Changes(seq, dict(state.workloads), state.revocations, resync=True), False
+        workloads: dict[str, WorkloadState | None] = {}
+        revoked: dict[int, Revocation] = {}
+        unrevoked: set[int] = set()
+        for _, kind, key, origin, doc, workload, not_after, revoked_at, _ in rows:
+            if origin == self.origin:
+                continue
+            if kind == "w":
+                workloads[key] = None if doc is None else workload_from_doc(loads(doc))
+            elif workload is None:
+                unrevoked.add(int(key))
+                revoked.pop(int(key), None)
+            else:
+                unrevoked.discard(int(key))
+                revoked[int(key)] = Revocation(
+                    int(key), _from_iso(not_after), _from_iso(revoked_at), workload
                 )
-            rows = conn.execute(
-                "SELECT seq, kind, key, origin FROM changes WHERE seq > %s ORDER BY seq LIMIT %s",
-                (self.after, self._batch),
-            ).fetchall()
-            if not rows:
-                return None, False
-            names = sorted({k for _, kind, k, o in rows if kind == "w" and o != self.origin})
-            serials = sorted({k for _, kind, k, o in rows if kind == "r" and o != self.origin})
-            docs = dict(
-                conn.execute(
-                    "SELECT name, doc FROM workloads WHERE name = ANY(%s::text[])", (names,)
-                ).fetchall()
-                if names
-                else []
-            )
-            revs = (
-                conn.execute(
-                    "SELECT serial, workload, not_after, revoked_at FROM revocations "
-                    "WHERE serial = ANY(%s::text[])",
-                    (serials,),
-                ).fetchall()
-                if serials
-                else []
-            )
-        workloads: dict[str, WorkloadState | None] = {
-            n: workload_from_doc(loads(docs[n])) if n in docs else None for n in names
-        }
-        revoked = tuple(
-            Revocation(int(s), _from_iso(na), _from_iso(ra), w) for s, w, na, ra in revs
-        )
-        stored = {str(r.serial) for r in revoked}
-        unrevoked = frozenset(int(s) for s in serials if s not in stored)
         seq = int(rows[-1][0])
-        return Changes(seq, workloads, revoked, unrevoked), len(rows) == self._batch
+        changes = Changes(seq, workloads, tuple(revoked.values()), frozenset(unrevoked))
+        return changes, len(rows) == self._batch
 
 
 def follow(

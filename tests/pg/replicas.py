@@ -44,10 +44,16 @@ class Replica:
     replica sees other replicas' changes only when the database refuses its decisions."""
 
     def __init__(
-        self, url: str, ca_dir: Path, clock: Clock, *, follow_changes: bool = False
+        self,
+        url: str,
+        ca_dir: Path,
+        clock: Clock,
+        *,
+        follow_changes: bool = False,
+        publisher: RecordingPublisher | None = None,
     ) -> None:
         self.store: GroupCommitStore = open_store(url)
-        self.publisher = RecordingPublisher()
+        self.publisher = publisher or RecordingPublisher()
         self.metrics = Metrics()
         loop = asyncio.get_running_loop()
         state, feed = follow(
