@@ -406,13 +406,15 @@ async def test_enclave_with_wrong_pcrs_is_refused_and_a_swapped_image_quarantine
         ]
         os.killpg(e["pid"], signal.SIGKILL)
 
-        async def quarantined() -> list[Any]:
-            out = cli("quarantine", "list", "--json", "--ops-port", str(m.settings.ops_port),
-                      "--state-dir", str(m.settings.state_dir))  # fmt: skip
-            items = json.loads(out.stdout) if out.returncode == 0 else []
-            return [i for i in items if i["name"] == "enclave"]
+        async def quarantined() -> bool:
+            return await m.metric("attestmesh_quarantined_workloads") == 1
 
-        (item,) = await eventually(quarantined, "the swapped enclave quarantined", 60)
+        await eventually(quarantined, "the swapped enclave quarantined", 60)
+        out = cli("quarantine", "list", "--json", "--ops-port", str(m.settings.ops_port),
+                  "--state-dir", str(m.settings.state_dir))  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        (item,) = json.loads(out.stdout)
+        assert item["name"] == "enclave"
         assert item["quarantine"]["trigger"] == "appraisal_failed"
         assert "pcr0" in item["quarantine"]["reason"]
 
