@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import shlex
 import signal
 import sys
@@ -17,6 +18,8 @@ import yaml
 
 from certs.errors import AttestmeshError
 from certs.policy import parse_policies
+
+log = logging.getLogger(__name__)
 
 
 def add_parsers(sub: Any) -> None:
@@ -53,6 +56,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--granted-cpus", type=int, required=True, help="enclave CPUs the pod holds")
     p.add_argument(
         "--granted-memory-mib", type=int, required=True, help="hugepages the pod holds, MiB"
+    )
+    p.add_argument(
+        "--hugetlb-limit-file",
+        type=Path,
+        default=Path("/sys/fs/cgroup/hugetlb.1GB.max"),
+        help="cgroup v2 hugepages limit: caps --granted-memory-mib when smaller",
     )
     p.add_argument("--cpu-count", type=int, help="enclave CPUs (default: all granted)")
     p.add_argument("--memory-mib", type=int, help="enclave memory (default: all granted)")
@@ -173,14 +182,24 @@ def run_nitro_parent(args: argparse.Namespace) -> int:
         build_routes,
         check_config,
         control_plane_destinations,
+        hugetlb_limit_mib,
         size_enclave,
     )
     from sidecar.nitro.nitrocli import NitroCli, run_enclave_args
     from sidecar.nitro.parent import Parent, ParentSettings
 
+    granted_mib = args.granted_memory_mib
+    try:  # the kernel's view of the grant wins when it is smaller than the flag
+        limit = hugetlb_limit_mib(args.hugetlb_limit_file.read_text())
+    except FileNotFoundError:
+        limit = None
+    if limit is not None and limit < granted_mib:
+        log.warning("%s allows %d MiB of hugepages, not %d", args.hugetlb_limit_file, limit,
+                    granted_mib)  # fmt: skip
+        granted_mib = limit
     size = size_enclave(
         granted_cpus=args.granted_cpus,
-        granted_memory_mib=args.granted_memory_mib,
+        granted_memory_mib=granted_mib,
         cpu_count=args.cpu_count,
         memory_mib=args.memory_mib,
     )

@@ -306,6 +306,17 @@ def size_enclave(
     return EnclaveSize(cpus, mib)
 
 
+def hugetlb_limit_mib(text: str) -> int | None:
+    """The pod's 1 GiB hugepages limit from cgroup v2 ``hugetlb.1GB.max`` (bytes, or ``max``
+    when unlimited: None); ControlError when it is not one of those."""
+    value = text.strip()
+    if value == "max":
+        return None
+    if not value.isdigit():
+        raise ControlError("enclave_not_granted", f"hugetlb.1GB.max is {value[:40]!r}")
+    return int(value) // (1024 * 1024)
+
+
 @dataclass(frozen=True, slots=True)
 class Backoff:
     """Restart delays: ``initial * 2**(failures-1)`` capped at ``maximum``; a run that lasted

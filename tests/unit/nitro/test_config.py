@@ -24,6 +24,7 @@ from sidecar.nitro.config import (
     control_plane_destinations,
     decode,
     encode,
+    hugetlb_limit_mib,
     parse_config,
     parse_status,
     size_enclave,
@@ -204,3 +205,10 @@ def test_ready_only_while_running_with_an_unexpired_certificate() -> None:
 def test_route_is_frozen() -> None:
     with pytest.raises(AttributeError):
         Route("a", "h", 1).port = 2  # type: ignore[misc]
+
+
+def test_hugetlb_limit() -> None:
+    assert hugetlb_limit_mib("4294967296\n") == 4096
+    assert hugetlb_limit_mib("max\n") is None
+    with pytest.raises(ControlError):
+        hugetlb_limit_mib("lots")

@@ -77,6 +77,12 @@ class FakeNitro:
                 return
             w.write(encode({"type": "hello", "version": 1}))
             enclave.config = parse_config(decode(await r.readline()))
+            if self.mode == "flood":  # one unbounded line instead of status reports
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(64):
+                        w.write(b"x" * 65536)
+                        await w.drain()
+                return
             status = Status(True, time.time() + 3600, f"{enclave.cid:x}")
             w.write(encode(status.to_message()))
             await r.read()
@@ -240,3 +246,20 @@ async def test_an_enclave_that_never_says_hello_is_restarted(tmp_path: Path, mod
             "attestmesh_nitro_control_refused_total", {"reason": reason}
         )
         assert metric is not None and metric >= 2
+
+
+async def test_an_oversized_control_message_ends_the_session(tmp_path: Path) -> None:
+    """The control channel reads at most MAX_MESSAGE per line: a longer one is refused (not
+    buffered), counted, and the enclave restarted."""
+    async with running(tmp_path, mode="flood") as r:
+
+        async def retried() -> bool:
+            return r.parent.state.restarts >= 1
+
+        await r.until(retried)
+        metric = r.parent.registry.get_sample_value(
+            "attestmesh_nitro_control_refused_total", {"reason": "bad_message"}
+        )
+        assert metric is not None and metric >= 1
+        assert r.nitro.enclaves["i-enc16"].config is not None  # it was configured first
+        assert ("terminate-enclave", "i-enc16", "30.0") in r.nitro.calls
