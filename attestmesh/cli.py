@@ -135,6 +135,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         store=args.store,
         secrets=secret_settings_from_args(args),
         self_attestation=cp_attest.self_source_from_args(args),
+        ca_key_store=args.ca_key_store,
     )
 
     async def main() -> None:
@@ -297,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser("controlplane", help="run the control plane (attestation API, xDS, ops)")
     cp.add_argument("--state-dir", type=Path, required=True, help="CA and SQLite state live here")
+    cp.add_argument(
+        "--ca-key-store",
+        help="where the CA's private keys live: file (default, in --state-dir) or a PKCS#11 "
+        "URI (RFC 7512), e.g. 'pkcs11:token=ca?module-path=/usr/lib/softhsm/libsofthsm2.so"
+        "&pin-source=file:/etc/attestmesh/pin': keys generated in and never leaving the token",
+    )
     cp.add_argument(
         "--store",
         default=os.environ.get("ATTESTMESH_STORE") or None,

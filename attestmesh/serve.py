@@ -56,6 +56,7 @@ from certs.evidence.claims import Tee
 from certs.evidence.composite import attach_gpus
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
+from certs.keystore import open_key_store
 from certs.policy import parse_policies
 from sidecar.agent import EvidenceSource
 from xds.cache import SnapshotCache
@@ -101,6 +102,7 @@ class ControlPlaneSettings:
     # evidence of the control plane's own TEE, bound to its serving key (attestmesh.cp_attest)
     self_attestation: EvidenceSource | None = None
     secrets: SecretReleaseSettings | None = None  # secret release (OpenBao) on its own port
+    ca_key_store: str | None = None  # None/"file": keys in state_dir/ca; "pkcs11:...": a token
     # None: SQLite at <state_dir>/state.sqlite3 (one replica); postgresql://...: the shared
     # PostgreSQL store of several replicas (xds.store_pg)
     store: str | None = None
@@ -294,7 +296,12 @@ def build_control_plane(
         build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
     )
     now = datetime.now(UTC)
-    ca = CertificateAuthority.load_or_create(settings.state_dir / "ca", settings.trust_domain, now)
+    ca = CertificateAuthority.load_or_create(
+        settings.state_dir / "ca",
+        settings.trust_domain,
+        now,
+        key_store=open_key_store(settings.ca_key_store),
+    )
     # Group commit: one writer thread, one fsync for every transition waiting for it; the loop
     # never waits on the disk (a transition is announced, and answered, once durable).
     store = open_store(settings.store or settings.state_dir / "state.sqlite3")

@@ -39,7 +39,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -52,6 +52,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from certs.ear import CMW_OID
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims
+from certs.keystore import FILE_KEYS, KeyStore
 from certs.policy import MAX_TTL
 
 # 2.25.<uuid as integer> — an arc of the project's own (ITU-T X.667), fixed forever.
@@ -371,11 +372,9 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise AttestmeshError("ca_key_invalid", f"{path} is not an EC private key")
-    return key
+def _load_key(path: Path, key_store: KeyStore = FILE_KEYS) -> ec.EllipticCurvePrivateKey:
+    """The key (file store) or the token's key the file refers to (PKCS#11 store)."""
+    return key_store.load(path.read_bytes(), str(path))
 
 
 def preparation_time(cert: x509.Certificate) -> datetime:
@@ -393,17 +392,19 @@ def _point_in_life(cert: x509.Certificate, numerator: int, denominator: int) -> 
     return start + (end - start) * numerator / denominator
 
 
-def _slot_json(issuer: Issuer, activated_at: datetime | None) -> bytes:
+def _slot_json(
+    issuer: Issuer, activated_at: datetime | None, key_store: KeyStore = FILE_KEYS
+) -> bytes:
     doc: dict[str, str] = {
         "certificate": issuer.cert.public_bytes(serialization.Encoding.PEM).decode(),
-        "key": _key_pem(issuer.key).decode(),
+        "key": key_store.dump(issuer.key).decode(),
     }
     if activated_at is not None:
         doc["activated_at"] = activated_at.isoformat()
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
-def _read_slot(path: Path) -> tuple[Issuer, datetime | None]:
+def _read_slot(path: Path, key_store: KeyStore = FILE_KEYS) -> tuple[Issuer, datetime | None]:
     """A slot file as written by ``_slot_json`` (written atomically: anything else is damage)."""
     try:
         raw = path.read_bytes()
@@ -413,9 +414,7 @@ def _read_slot(path: Path) -> tuple[Issuer, datetime | None]:
         if not isinstance(doc, dict):
             raise ValueError("not an object")
         cert = x509.load_pem_x509_certificate(str(doc["certificate"]).encode())
-        key = serialization.load_pem_private_key(str(doc["key"]).encode(), password=None)
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise ValueError("not an EC private key")
+        key = key_store.load(str(doc["key"]).encode(), str(path))
         at = doc.get("activated_at")
         activated_at = None if at is None else datetime.fromisoformat(str(at))
         if activated_at is not None and activated_at.utcoffset() is None:
@@ -463,6 +462,7 @@ class CertificateAuthority:
     prepared: Issuer | None = None
     activated_at: datetime | None = None
     directory: Path | None = None
+    key_store: KeyStore = field(default=FILE_KEYS, compare=False, repr=False)  # where keys live
 
     @property
     def bundle_pem(self) -> bytes:
@@ -545,10 +545,10 @@ class CertificateAuthority:
     ) -> CertificateAuthority:
         """Create the next intermediate under the root and persist it in the ``next`` slot."""
         directory = self._persisted_in()
-        root_key = _load_key(directory / "root.key")  # only in memory while preparing
+        root_key = _load_key(directory / "root.key", self.key_store)  # only while preparing
         if root_key.public_key() != self.root.public_key():
             raise AttestmeshError("ca_inconsistent", f"{directory}: root.key is not the root's")
-        key = key or ec.generate_private_key(ec.SECP256R1())
+        key = key or self.key_store.generate("intermediate")
         generation = x509.SubjectKeyIdentifier.from_public_key(key.public_key()).digest.hex()
         cert = _ca_cert(
             f"attestmesh intermediate {self.trust_domain}",
@@ -562,7 +562,7 @@ class CertificateAuthority:
             generation,
         )
         prepared = Issuer(cert, key)
-        _write_private(directory / NEXT_SLOT, _slot_json(prepared, None))
+        _write_private(directory / NEXT_SLOT, _slot_json(prepared, None, self.key_store))
         return replace(self, prepared=prepared)
 
     def activate(self, now: datetime) -> CertificateAuthority:
@@ -571,8 +571,9 @@ class CertificateAuthority:
             raise AttestmeshError("ca_nothing_prepared", "no prepared intermediate to activate")
         directory = self._persisted_in()
         new = self.prepared
-        _write_private(directory / PREVIOUS_SLOT, _slot_json(self.intermediate, now))  # intent
-        _finish_activation(directory, new)
+        intent = _slot_json(self.intermediate, now, self.key_store)
+        _write_private(directory / PREVIOUS_SLOT, intent)
+        _finish_activation(directory, new, key_store=self.key_store)
         return replace(
             self, intermediate=new, previous=self.intermediate, prepared=None, activated_at=now
         )
@@ -594,24 +595,26 @@ class CertificateAuthority:
         trust_domain: str,
         now: datetime,
         serials: Mapping[str, int] | None = None,
+        key_store: KeyStore = FILE_KEYS,
     ) -> CertificateAuthority:
         """Load the CA from ``directory`` or create it there (keys 0600). A CA persisted once is
         reused after restarts: a new CA would split trust between peers. An activation that a
-        crash interrupted is finished here."""
+        crash interrupted is finished here. ``key_store``: where the private keys live (files,
+        or a PKCS#11 token: then the ``*.key`` files hold references, ``certs.keystore``)."""
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         paths = {
             n: directory / f"{n}"
             for n in ("root.pem", "root.key", "intermediate.pem", "intermediate.key")
         }
         if all(p.exists() for p in paths.values()):
-            return cls._load(directory, trust_domain, paths)
+            return cls._load(directory, trust_domain, paths, key_store)
         if any(p.exists() for p in paths.values()):
             raise AttestmeshError(
                 "ca_incomplete", f"{directory} holds a partial CA; refusing to overwrite it"
             )
         s = serials or {}
-        root_key = ec.generate_private_key(ec.SECP256R1())
-        inter_key = ec.generate_private_key(ec.SECP256R1())
+        root_key = key_store.generate("root")
+        inter_key = key_store.generate("intermediate")
         root_cert = _ca_cert(
             f"attestmesh root {trust_domain}",
             root_key,
@@ -632,35 +635,45 @@ class CertificateAuthority:
             trust_domain,
             0,
         )
-        _write_private(paths["root.key"], _key_pem(root_key))
-        _write_private(paths["intermediate.key"], _key_pem(inter_key))
+        _write_private(paths["root.key"], key_store.dump(root_key))
+        _write_private(paths["intermediate.key"], key_store.dump(inter_key))
         _write_private(
             paths["intermediate.pem"], inter_cert.public_bytes(serialization.Encoding.PEM)
         )
         _write_private(paths["root.pem"], root_cert.public_bytes(serialization.Encoding.PEM))
-        return cls(root_cert, Issuer(inter_cert, inter_key), trust_domain, directory=directory)
+        return cls(
+            root_cert,
+            Issuer(inter_cert, inter_key),
+            trust_domain,
+            directory=directory,
+            key_store=key_store,
+        )
 
     @classmethod
     def _load(
-        cls, directory: Path, trust_domain: str, paths: Mapping[str, Path]
+        cls,
+        directory: Path,
+        trust_domain: str,
+        paths: Mapping[str, Path],
+        key_store: KeyStore = FILE_KEYS,
     ) -> CertificateAuthority:
         root = x509.load_pem_x509_certificate(paths["root.pem"].read_bytes())
-        root_key = _load_key(paths["root.key"])
+        root_key = _load_key(paths["root.key"], key_store)
         if root_key.public_key() != root.public_key():
             raise AttestmeshError(
                 "ca_inconsistent", f"{directory}: a CA key does not match its certificate"
             )
         on_disk = Issuer(
             x509.load_pem_x509_certificate(paths["intermediate.pem"].read_bytes()),
-            _load_key(paths["intermediate.key"]),
+            _load_key(paths["intermediate.key"], key_store),
         )
         prepared: Issuer | None = None
         previous: Issuer | None = None
         activated_at: datetime | None = None
         if (directory / NEXT_SLOT).exists():
-            prepared, _ = _read_slot(directory / NEXT_SLOT)
+            prepared, _ = _read_slot(directory / NEXT_SLOT, key_store)
         if (directory / PREVIOUS_SLOT).exists():
-            previous, activated_at = _read_slot(directory / PREVIOUS_SLOT)
+            previous, activated_at = _read_slot(directory / PREVIOUS_SLOT, key_store)
         interrupted = prepared is not None and _activation_began(on_disk, prepared, previous)
         if prepared is not None and interrupted:
             current, prepared = prepared, None  # finish the activation (below, once checked)
@@ -674,8 +687,10 @@ class CertificateAuthority:
         if previous is not None and activated_at is None:
             raise AttestmeshError("ca_inconsistent", f"{directory}: previous slot has no time")
         if interrupted:
-            _finish_activation(directory, current, on_disk)
-        return cls(root, current, trust_domain, previous, prepared, activated_at, directory)
+            _finish_activation(directory, current, on_disk, key_store)
+        return cls(
+            root, current, trust_domain, previous, prepared, activated_at, directory, key_store
+        )
 
 
 def rotation_step(ca: CertificateAuthority, now: datetime) -> CertificateAuthority | None:
@@ -703,11 +718,16 @@ def _activation_began(on_disk: Issuer, prepared: Issuer, previous: Issuer | None
     )
 
 
-def _finish_activation(directory: Path, new: Issuer, on_disk: Issuer | None = None) -> None:
+def _finish_activation(
+    directory: Path,
+    new: Issuer,
+    on_disk: Issuer | None = None,
+    key_store: KeyStore = FILE_KEYS,
+) -> None:
     """Make ``new`` the signing pair on disk (key, then certificate), then empty ``next``.
     Each write is skipped when it is already done, so finishing again is a no-op."""
     if on_disk is None or on_disk.key.public_key() != new.cert.public_key():
-        _write_private(directory / "intermediate.key", _key_pem(new.key))
+        _write_private(directory / "intermediate.key", key_store.dump(new.key))
     if on_disk is None or on_disk.cert != new.cert:
         _write_private(
             directory / "intermediate.pem", new.cert.public_bytes(serialization.Encoding.PEM)
