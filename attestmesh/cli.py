@@ -429,11 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_quarantine)
 
-    from attestmesh import inspect_cmd, lint, verify_cmd
+    from attestmesh import inspect_cmd, lint, status_cmd, verify_cmd
 
     verify_cmd.add_parser(sub)
     inspect_cmd.add_parser(sub)
     cp_attest.add_parser(sub)
+    status_cmd.add_parser(sub)
     lint.add_parser(sub).set_defaults(func=lint.run)
     from attestmesh import nitro_cmd  # enclave-init, nitro-parent, policy from-eif
 
@@ -453,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(3) from None
         raise
     quiet = args.command in ("demo", "verify", "lint", "bootstrap", "quarantine", "inspect")
-    quiet = quiet or args.command == "verify-controlplane"
+    quiet = quiet or args.command in ("verify-controlplane", "status")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

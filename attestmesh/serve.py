@@ -27,7 +27,7 @@ from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from attestmesh import secret_release
+from attestmesh import secret_release, status_cmd
 from attestmesh.controlplane import (
     AttestationLimiter,
     CollateralSource,
@@ -605,6 +605,7 @@ async def run_control_plane(
             ).route(api_app)
         api_runner = web.AppRunner(api_app, access_log=None)
         ops_app = build_ops_app(cp, metrics, ensure_ops_token(settings.state_dir))
+        status_cmd.add_route(ops_app, lambda: cp.state, cache, lambda: datetime.now(UTC))
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
         grpc = Server([AdsServer(cache, metrics, authorize=authorize)])

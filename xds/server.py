@@ -58,7 +58,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
-from xds import pb
+from xds import pb, sync_status
 from xds.build import (
     Packer,
     ResourceVersions,
@@ -100,6 +100,7 @@ class _Sent:
     version: str
     at: float
     acked: bool = False
+    nacked: bool = False  # for xds.sync_status
 
 
 @dataclass(slots=True)
@@ -147,6 +148,7 @@ class AdsSession:
     def _classify(self, type_url: TypeUrl, req: DiscoveryRequest, sent: _Sent) -> None:
         if req.error_detail is not None and req.version_info != sent.version:
             message = req.error_detail.message
+            sent.nacked = True
             self._metrics.xds_nacks.labels(type_url.short).inc()
             self.nacks.append((type_url, message))
             del self.nacks[:-16]
@@ -613,6 +615,7 @@ async def _serve(
     closed = False
     revoked = False
     metrics.xds_streams.inc()
+    sync_status.opened(cache, node, session)
     try:
         with cache.watch(node) as watch:
 
@@ -645,6 +648,7 @@ async def _serve(
                         await stream.send_message(pb.Encoded(message))
     finally:
         metrics.xds_streams.dec()
+        sync_status.closed(cache, node, session)
     if revoked:
         _close_soon(stream)
         raise GRPCError(
