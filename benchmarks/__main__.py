@@ -24,6 +24,7 @@ MODULES = [
     "benchmarks.bench_store",
     "benchmarks.bench_replicas",
     "benchmarks.bench_demo",
+    "benchmarks.bench_nitro_bridge",
 ]
 ARGS = {"benchmarks.bench_scale": shlex.split(os.environ.get("BENCH_SCALE_ARGS", "--n 1000,10000"))}
 

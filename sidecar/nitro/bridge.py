@@ -314,6 +314,10 @@ class Bridge:
             if self._metrics is not None:
                 self._metrics.connections.labels(bridge=self.name).inc()
             await relay((reader, writer), other, self._count)
+        except asyncio.CancelledError:
+            # close() ended this connection: this is the connection's own task (the server's
+            # callback), so the cancellation stops here instead of being logged as an error
+            writer.transport.abort()
         finally:
             self.active -= 1
             if task is not None:
@@ -322,7 +326,7 @@ class Bridge:
                 self._metrics.active.labels(bridge=self.name).dec()
 
     async def close(self) -> None:
-        """Cancel every relayed connection."""
+        """End every relayed connection (both sides closed)."""
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

@@ -316,3 +316,30 @@ def test_transport_spec(tmp_path: Path) -> None:
     for bad in ("tcp:1", "unix:", ""):
         with pytest.raises(BridgeError):
             transport_from_spec(bad, 3)
+
+
+async def test_close_ends_open_connections_without_loop_errors() -> None:
+    errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, ctx: errors.append(ctx))
+
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read()
+        w.close()
+
+    try:
+        async with tcp_server(silent) as dest:
+            bridge = Bridge("api", dial_tcp("127.0.0.1", dest))
+            server = await listen_tcp("127.0.0.1", 0, bridge)
+            r, w = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+            while bridge.active < 1:
+                await asyncio.sleep(0.01)
+            await bridge.close()
+            assert await asyncio.wait_for(r.read(), 5) == b""  # the client's side ended
+            assert bridge.active == 0
+            server.close()
+            w.close()
+            await asyncio.sleep(0.05)  # let any done-callback run
+    finally:
+        loop.set_exception_handler(None)
+    assert errors == []
