@@ -85,6 +85,7 @@ class ParentSettings:
     grace_s: float = 25.0
     boot_timeout_s: float = 120.0
     backoff: Backoff = field(default_factory=Backoff)
+    token_poll_s: float = TOKEN_POLL_S
     max_connections: int = 256
 
 
@@ -189,7 +190,7 @@ class Parent:
 
     async def _watch_token(self) -> None:
         while True:
-            await asyncio.sleep(TOKEN_POLL_S)
+            await asyncio.sleep(self.settings.token_poll_s)
             token = self._read_token()
             session = self._session_writer
             if token != self._token and token is not None and session is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.nitro.bridge import PARENT_CID, UnixTransport
-from sidecar.nitro.config import CONTROL_PORT, EnclaveConfig, Route, decode, encode
+from sidecar.nitro.bridge import PARENT_CID, PORT_ANY, UnixTransport
+from sidecar.nitro.config import CONTROL_PORT, INBOUND_PORT, EnclaveConfig, Route, decode, encode
 from sidecar.nitro.enclave_init import (
     EnclaveInitSettings,
     agent_command,
@@ -24,6 +25,7 @@ from sidecar.nitro.enclave_init import (
     ifreq_flags,
     run_enclave_init,
 )
+from tests.integration.envoy_harness import free_port
 
 CFG = EnclaveConfig(
     workload="shop/web-0",
@@ -144,3 +146,91 @@ async def test_stop_before_the_parent_connects_exits_cleanly(tmp_path: Path) -> 
     await asyncio.sleep(0.2)
     stop.set()
     assert await asyncio.wait_for(enclave, 5) == 0
+
+
+async def test_enclave_bridges_reports_and_follows_the_token(tmp_path: Path) -> None:
+    """enclave-init in process up to its agent (a stand-in process that never serves SDS):
+    the outbound route listens on loopback and reaches the parent's vsock port, the inbound
+    vsock port reaches the enclave's inbound address, status says not attested, a token update
+    is written for the agent, and stop ends everything with 0."""
+    ca = tmp_path / "root.pem"
+    ca.write_text("pinned")
+    run = tmp_path / "run"
+    parent = UnixTransport(tmp_path, PARENT_CID)
+
+    async def upper(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write((await r.read()).upper())
+        w.close()
+
+    api_server, api_vport = await parent.listen(PORT_ANY, upper)  # the parent's "api" bridge
+    inbound = await asyncio.start_server(upper, "127.0.0.1", 0)  # the enclave's Envoy inbound
+    route_port, inbound_port = free_port(), inbound.sockets[0].getsockname()[1]
+    cfg = EnclaveConfig(
+        "shop/web-0", f"https://127.0.0.1:{route_port}", f"127.0.0.1:{route_port + 1}",
+        "mesh.example", (Route("api", "127.0.0.1", route_port, api_vport),),
+        "127.0.0.1", inbound_port, "", token="first",
+    )  # fmt: skip
+    s = EnclaveInitSettings(
+        UnixTransport(tmp_path, 16), (), run, ca_bundle=ca, setup_network=False,
+        attestmesh_command=(sys.executable, "-c", "import time; time.sleep(60)"),
+    )  # fmt: skip
+    stop = asyncio.Event()
+    enclave = asyncio.create_task(run_enclave_init(s, stop))
+    try:
+        async with asyncio.timeout(10):
+            while not (tmp_path / f"16-{CONTROL_PORT}.sock").exists():
+                await asyncio.sleep(0.02)
+        r, w = await parent.connect(16, CONTROL_PORT)
+        assert decode(await r.readline())["type"] == "hello"
+        w.write(encode(cfg.to_message()))
+        status = decode(await asyncio.wait_for(r.readline(), 10))
+        assert status == {"type": "status", "attested": False, "not_after": None, "serial": None}
+        assert (run / "token").read_text() == "first"
+        assert stat.S_IMODE((run / "token").stat().st_mode) == 0o600
+        # outbound: loopback TCP in the enclave -> the parent's vsock port
+        rd, wr = await asyncio.open_connection("127.0.0.1", route_port)
+        wr.write(b"attest me")
+        wr.write_eof()
+        assert await asyncio.wait_for(rd.read(), 5) == b"ATTEST ME"
+        wr.close()
+        # inbound: the enclave's vsock INBOUND_PORT -> its inbound address
+        rd, wr = await parent.connect(16, INBOUND_PORT)
+        wr.write(b"mesh call")
+        wr.write_eof()
+        assert await asyncio.wait_for(rd.read(), 5) == b"MESH CALL"
+        wr.close()
+        w.write(encode({"type": "token", "token": "second"}))
+        async with asyncio.timeout(5):
+            while (run / "token").read_text() != "second":
+                await asyncio.sleep(0.02)
+        stop.set()
+        assert await asyncio.wait_for(enclave, 15) == 0
+        w.close()
+    finally:
+        stop.set()
+        api_server.close()
+        inbound.close()
+
+
+async def test_a_component_exiting_ends_the_enclave_non_zero(tmp_path: Path) -> None:
+    ca = tmp_path / "root.pem"
+    ca.write_text("pinned")
+    parent = UnixTransport(tmp_path, PARENT_CID)
+    port = free_port()
+    cfg = EnclaveConfig("shop/web-0", f"https://127.0.0.1:{port}", f"127.0.0.1:{port}",
+                        "mesh.example", (), "127.0.0.1", free_port(), "")  # fmt: skip
+    s = EnclaveInitSettings(
+        UnixTransport(tmp_path, 16), (), tmp_path / "run", ca_bundle=ca, setup_network=False,
+        attestmesh_command=(sys.executable, "-c", "raise SystemExit(3)"),
+    )  # fmt: skip
+    enclave = asyncio.create_task(run_enclave_init(s, asyncio.Event()))
+    async with asyncio.timeout(10):
+        while not (tmp_path / f"16-{CONTROL_PORT}.sock").exists():
+            await asyncio.sleep(0.02)
+    r, w = await parent.connect(16, CONTROL_PORT)
+    await r.readline()
+    w.write(encode(cfg.to_message()))
+    assert await asyncio.wait_for(enclave, 15) == 1  # the agent died: the enclave ends
+    rest = await asyncio.wait_for(r.read(), 5)  # its session closed (EOF, no timeout)...
+    assert all(decode(line)["type"] == "status" for line in rest.splitlines())  # after status
+    w.close()

@@ -38,6 +38,7 @@ class FakeEnclave:
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     config: EnclaveConfig | None = None
     alive: bool = True
+    tokens: list[str] = field(default_factory=list)
 
     def kill(self) -> None:
         self.alive = False
@@ -85,7 +86,10 @@ class FakeNitro:
                 return
             status = Status(True, time.time() + 3600, f"{enclave.cid:x}")
             w.write(encode(status.to_message()))
-            await r.read()
+            while line := await r.readline():
+                msg = decode(line)
+                if msg["type"] == "token":
+                    enclave.tokens.append(msg["token"])
 
         async def inbound(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             enclave.writers.append(w)
@@ -157,6 +161,7 @@ async def running(tmp_path: Path, mode: str = "ok", boot_timeout_s: float = 5.0,
         grace_s=3.0,
         boot_timeout_s=boot_timeout_s,
         backoff=Backoff(initial_s=0.05, maximum_s=0.2),
+        token_poll_s=0.05,
     )
     nitro = FakeNitro(tmp_path, mode)
     parent = Parent(settings, nitro, UnixTransport(tmp_path, PARENT_CID))
@@ -263,3 +268,22 @@ async def test_an_oversized_control_message_ends_the_session(tmp_path: Path) -> 
         assert metric is not None and metric >= 1
         assert r.nitro.enclaves["i-enc16"].config is not None  # it was configured first
         assert ("terminate-enclave", "i-enc16", "30.0") in r.nitro.calls
+
+
+async def test_a_new_pod_token_is_sent_to_the_running_enclave(tmp_path: Path) -> None:
+    async with running(tmp_path) as r:
+
+        async def ready() -> bool:
+            return (await r.readyz())[0] == 200
+
+        await r.until(ready)
+        enclave = r.nitro.enclaves["i-enc16"]
+        assert enclave.config is not None and enclave.config.token == "pod-token"
+        (tmp_path / "token").write_text("rotated-token\n")
+
+        async def sent() -> bool:
+            return enclave.tokens == ["rotated-token"]
+
+        await r.until(sent)
+        await asyncio.sleep(0.2)  # polled again: an unchanged token is not sent twice
+        assert enclave.tokens == ["rotated-token"]
