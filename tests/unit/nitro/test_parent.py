@@ -26,7 +26,7 @@ from sidecar.nitro.config import (
     encode,
     parse_config,
 )
-from sidecar.nitro.nitrocli import RunningEnclave
+from sidecar.nitro.nitrocli import NitroCliError, RunningEnclave
 from sidecar.nitro.parent import Parent, ParentSettings
 from tests.integration.envoy_harness import free_port
 
@@ -61,6 +61,8 @@ class FakeNitro:
 
     async def run_enclave(self, args: Sequence[str]) -> RunningEnclave:
         self.calls.append(("run-enclave", *args))
+        if self.mode == "refused":
+            raise NitroCliError("nitro_cli_failed", "[ E26 ] Insufficient memory")
         cid, self.next_cid = self.next_cid, self.next_cid + 1
         enclave = FakeEnclave(cid)
         self.enclaves[f"i-enc{cid}"] = enclave
@@ -287,3 +289,22 @@ async def test_a_new_pod_token_is_sent_to_the_running_enclave(tmp_path: Path) ->
         await r.until(sent)
         await asyncio.sleep(0.2)  # polled again: an unchanged token is not sent twice
         assert enclave.tokens == ["rotated-token"]
+
+
+async def test_a_failing_run_enclave_is_retried_with_backoff(tmp_path: Path) -> None:
+    async with running(tmp_path, mode="refused") as r:
+
+        async def retried() -> bool:
+            return r.parent.state.restarts >= 3
+
+        started = time.monotonic()
+        await r.until(retried)
+        # three attempts with the backoff's 0.05 s then 0.1 s between them
+        assert time.monotonic() - started >= 0.15
+        status, view = await r.readyz()
+        assert status == 503 and view["running"] is False
+        failed = r.parent.registry.get_sample_value(
+            "attestmesh_nitro_enclave_starts_total", {"outcome": "failed"}
+        )
+        assert failed is not None and failed >= 3
+        assert not [c for c in r.nitro.calls if c[0] == "terminate-enclave"]
