@@ -124,6 +124,21 @@ class CollateralSource(Protocol):
     ) -> dict[str, bytes]: ...
 
 
+class Replication(Protocol):
+    """Several replicas on one database (attestmesh.replication): which one leads (CA
+    rotation and revocation pruning are done once, by the leader), and the CA they share."""
+
+    def is_leader(self) -> bool: ...
+
+    def ca_rotated(self, ca: CertificateAuthority) -> None:
+        """The leader persisted a rotation step: store it for the other replicas."""
+        ...
+
+    def load_ca(self) -> CertificateAuthority:
+        """The leader rotated the shared CA: the CA as stored now."""
+        ...
+
+
 class RegistrationTokenCheck:
     """Local mode: a registration entry carries the SHA-256 of its join token. A registration
     without one (kept in state from a run that allowed it, say) is refused unless
@@ -193,9 +208,11 @@ class ControlPlane:
         identity: IdentityCheck | None = None,
         collateral_sources: Mapping[Tee, CollateralSource] | None = None,
         limiter: AttestationLimiter | None = None,
+        replication: Replication | None = None,
     ) -> None:
         self._state = state
         self._store = store
+        self._replication = replication
         self._ca = ca
         self._verifiers = dict(verifiers)
         self._policies = tuple(policies)
@@ -385,6 +402,8 @@ class ControlPlane:
                 {r.serial for r in self._state.revocations} - {r.serial for r in changes.revoked}
             )
         self.adopt_rows(rows, changes.revoked, unrevoked)
+        if changes.ca:
+            self.reload_ca()
 
     def adopt_rows(
         self,
@@ -734,8 +753,9 @@ class ControlPlane:
             ]
             + self._tcb_grace.due(self._state, now)
         )  # fmt: skip
-        stale = self._rotate_ca(now)
-        stale |= self._prune_revocations(now)
+        leader = self._replication is None or self._replication.is_leader()
+        stale = leader and self._rotate_ca(now)  # once, by the leader
+        stale |= leader and self._prune_revocations(now)
         stale |= self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2
         if stale:  # one new CRL set, announced once
             self._trust = self._build_trust(now)
@@ -802,7 +822,26 @@ class ControlPlane:
         except (OSError, AttestmeshError) as exc:
             self._ca_retry_at = now + CA_ROTATION_RETRY
             log.error("CA rotation failed, retrying at %s: %s", self._ca_retry_at, exc)
+        if self._ca is not before and self._replication is not None:
+            try:
+                self._replication.ca_rotated(self._ca)
+            except (OSError, AttestmeshError) as exc:
+                log.error("CA rotation not shared with the other replicas yet: %s", exc)
         return self._ca is not before
+
+    def reload_ca(self) -> None:
+        """The leader rotated the shared CA (a follower learns it from the change feed):
+        sign with it from now on and announce its CRL set."""
+        if self._replication is None:
+            return
+        try:
+            self._ca = self._replication.load_ca()
+        except (OSError, AttestmeshError) as exc:
+            log.error("cannot load the CA the leader rotated: %s", exc)
+            return
+        self._trust = self._build_trust(self._clock())
+        self._update_gauges()
+        self._republish()
 
     def set_policies(self, docs: Sequence[object]) -> tuple[AttestationPolicy, ...]:
         """Replace the attestation policies; invalid documents leave the previous ones in force.

@@ -39,6 +39,7 @@ from attestmesh.controlplane import (
 from attestmesh.cp_attest import SelfAttestation
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
+from attestmesh.replication import PgReplication
 from attestmesh.secret_release import SecretReleaseSettings
 from attestmesh.tcb_monitor import build_tcb_monitor
 from certs import api
@@ -67,7 +68,7 @@ from xds.registrations import parse_registrations
 from xds.server import AdsServer, PeerIdentity, warm
 from xds.state import MeshState, Registration, Status, Trigger
 from xds.store import GroupCommitStore
-from xds.store_pg import Changes, follow, open_store
+from xds.store_pg import Changes, follow, is_postgres_url, open_store, share_ca
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,17 @@ def build_control_plane(
         build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
     )
     now = datetime.now(UTC)
+
+    def load_ca() -> CertificateAuthority:
+        return CertificateAuthority.load_or_create(
+            settings.state_dir / "ca",
+            settings.trust_domain,
+            datetime.now(UTC),
+            key_store=open_key_store(settings.ca_key_store),
+        )
+
+    if settings.store and is_postgres_url(settings.store):  # one CA for every replica
+        share_ca(settings.store, settings.state_dir / "ca", load_ca)
     ca = CertificateAuthority.load_or_create(
         settings.state_dir / "ca",
         settings.trust_domain,
@@ -311,6 +323,9 @@ def build_control_plane(
     state, feed = follow(
         store, settings.trust_domain, lambda ch: loop.call_soon_threadsafe(adopt[0], ch)
     )
+    replication = None
+    if feed is not None and settings.store is not None:  # one leader (CA rotation), one CA
+        replication = PgReplication(settings.store, settings.state_dir / "ca", feed.origin, load_ca)
     publisher = XdsPublisher(
         cache, defer=lambda fanout: loop.call_later(TRUST_FANOUT_DELAY.total_seconds(), fanout)
     )
@@ -330,11 +345,14 @@ def build_control_plane(
         random_bytes=secrets.token_bytes,
         collateral_sources=collateral_sources,
         limiter=AttestationLimiter(settings.attest_burst, settings.attest_refill),
+        replication=replication,
     )
     adopt.append(cp.adopt_changes)
-    if feed is not None:
+    if feed is not None and replication is not None:
         store.attach(feed)  # closed with the store
+        store.attach(replication)
         feed.start()
+        replication.start()
     cp.register(registrations)  # persists what changed (awaited before serving: cp.flushed)
     return cp, publisher, store
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -65,13 +66,17 @@ __all__ = [
     "PG_SCHEMA_VERSION",
     "ChangeFeed",
     "Changes",
+    "Leadership",
     "PostgresStore",
+    "download_ca",
     "follow",
     "is_postgres_url",
     "migrate_pg",
     "open_store",
     "pg_schema_version",
+    "publish_ca",
     "redact_url",
+    "share_ca",
 ]
 
 # pg_advisory_xact_lock key serialising schema migrations ("attestms" in ASCII)
@@ -82,6 +87,17 @@ ROW_LOCK_SPACE = 0x616D_7277  # "amrw"
 # so a follower that has read up to N never sees N+1 appear later
 CHANGES_LOCK = 0x6174_6368_616E_6765
 CHANNEL = "attestmesh_changes"
+CA_LOCK = 0x6174_6361  # serialises the first upload of the CA
+LEADER_LOCK = 0x6174_6C65_6164_6572  # session lock: held by the leader's connection
+# the CA directory's files shared through the database (certs.ca's layout)
+CA_FILES = (
+    "root.pem",
+    "root.key",
+    "intermediate.pem",
+    "intermediate.key",
+    "intermediate-next.json",
+    "intermediate-previous.json",
+)
 DEFAULT_MAX_CHANGES = 100_000
 CONNECT_TIMEOUT_SECONDS = 5
 
@@ -106,6 +122,11 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE TABLE changes (seq bigserial PRIMARY KEY, kind text NOT NULL, "
             "key text NOT NULL, origin text NOT NULL)",
         ),
+    ),
+    Migration(
+        3,
+        "the mesh CA every replica signs with (one trust): its files, as the CA directory holds",
+        ("CREATE TABLE ca_files (name text PRIMARY KEY, data bytea NOT NULL)",),
     ),
 )
 PG_SCHEMA_VERSION = PG_MIGRATIONS[-1].version
@@ -534,6 +555,7 @@ class Changes:
     revoked: tuple[Revocation, ...] = ()
     unrevoked: frozenset[int] = frozenset()
     resync: bool = False
+    ca: bool = False  # the leader changed the shared CA (rotation): reload it
 
 
 class ChangeFeed:
@@ -613,7 +635,13 @@ class ChangeFeed:
             if changes is None:
                 return
             self.after = changes.seq
-            if changes.workloads or changes.revoked or changes.unrevoked or changes.resync:
+            if (
+                changes.workloads
+                or changes.revoked
+                or changes.unrevoked
+                or changes.resync
+                or changes.ca
+            ):
                 try:
                     self._deliver(changes)
                 except RuntimeError:  # the receiving loop is closed: shutting down
@@ -645,10 +673,13 @@ class ChangeFeed:
         workloads: dict[str, WorkloadState | None] = {}
         revoked: dict[int, Revocation] = {}
         unrevoked: set[int] = set()
+        ca = False
         for _, kind, key, origin, doc, workload, not_after, revoked_at, _ in rows:
             if origin == self.origin:
                 continue
-            if kind == "w":
+            if kind == "c":
+                ca = True
+            elif kind == "w":
                 workloads[key] = None if doc is None else workload_from_doc(loads(doc))
             elif workload is None:
                 unrevoked.add(int(key))
@@ -659,7 +690,7 @@ class ChangeFeed:
                     int(key), _from_iso(not_after), _from_iso(revoked_at), workload
                 )
         seq = int(rows[-1][0])
-        changes = Changes(seq, workloads, tuple(revoked.values()), frozenset(unrevoked))
+        changes = Changes(seq, workloads, tuple(revoked.values()), frozenset(unrevoked), ca=ca)
         return changes, len(rows) == self._batch
 
 
@@ -688,3 +719,139 @@ def follow(
         **options,
     )
     return state, feed
+
+
+# ---------------------------------------------------------------------------------------------
+# One CA for every replica; one leader
+
+
+def _write_file(directory: Path, name: str, data: bytes) -> None:
+    tmp = directory / f".{name}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(directory / name)
+
+
+def share_ca(url: str, directory: Path, create: Callable[[], object]) -> str:
+    """Make ``directory`` hold the CA every replica on this database signs with.
+
+    The first replica (the database holds no CA yet) creates its CA (``create``: load or make
+    the CA in ``directory``) and uploads its files; every later one writes the database's files
+    into ``directory`` (replacing a CA of its own), before the CA is loaded from there. Returns
+    "uploaded" or "downloaded". Serialised by an advisory lock (replicas starting together)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _connect(url) as conn:
+        migrate_pg(conn, where=redact_url(url))
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (CA_LOCK,))
+            rows = conn.execute("SELECT name, data FROM ca_files").fetchall()
+            if not rows:
+                create()
+                _upload_ca(conn, directory)
+                return "uploaded"
+    stored = {str(n): bytes(d) for n, d in rows}
+    for name in CA_FILES:
+        if name in stored:
+            _write_file(directory, name, stored[name])
+        else:
+            (directory / name).unlink(missing_ok=True)
+    return "downloaded"
+
+
+def _upload_ca(conn: psycopg.Connection[Any], directory: Path) -> None:
+    files = {n: (directory / n).read_bytes() for n in CA_FILES if (directory / n).exists()}
+    conn.execute("DELETE FROM ca_files")
+    conn.execute(
+        "INSERT INTO ca_files(name, data) SELECT * FROM unnest(%s::text[], %s::bytea[])",
+        (list(files), list(files.values())),
+    )
+
+
+def publish_ca(url: str, directory: Path, origin: str) -> None:
+    """The leader rotated the CA in ``directory``: store its files and tell the other replicas
+    (a change of kind ``c``: their feeds deliver ``Changes.ca`` and they reload it)."""
+    with _connect(url) as conn, conn.transaction():
+        _upload_ca(conn, directory)
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGES_LOCK,))
+        conn.execute("INSERT INTO changes(kind, key, origin) VALUES ('c', 'ca', %s)", (origin,))
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"ca {origin}"))
+
+
+def download_ca(url: str, directory: Path) -> None:
+    """Write the database's CA files into ``directory`` (a follower, after a rotation)."""
+    share_ca(url, directory, lambda: None)
+
+
+class Leadership:
+    """Exactly one leader among the replicas on one database: the replica whose connection
+    holds the session advisory lock ``LEADER_LOCK``. A thread tries to take it every
+    ``interval_seconds`` and, while leading, checks its connection as often; a leader that
+    dies (its connection closes: kill -9 included) or is cut off (server-side TCP keepalives
+    end its session within ~11 s) loses the lock, and the next try of another replica takes
+    it. ``is_leader`` turns False as soon as this replica's own check fails."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        interval_seconds: float = 1.0,
+        on_change: Callable[[bool], object] | None = None,
+    ) -> None:
+        self.url = url
+        self._interval = interval_seconds
+        self._on_change = on_change
+        self._closed = threading.Event()
+        self.is_leader = False
+        self.changes = 0
+        self._thread = threading.Thread(target=self._run, name="attestmesh-leader", daemon=True)
+
+    def start(self) -> Leadership:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(10)
+
+    def _set(self, leader: bool) -> None:
+        if leader != self.is_leader:
+            self.is_leader = leader
+            self.changes += 1
+            log.warning("this replica is %s the leader", "now" if leader else "no longer")
+            if self._on_change is not None:
+                self._on_change(leader)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(
+                    self.url,
+                    autocommit=True,
+                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                    application_name=f"attestmesh-leader {os.getpid()}",
+                    keepalives=1,
+                    keepalives_idle=5,
+                    keepalives_interval=2,
+                    keepalives_count=3,
+                ) as conn:
+                    for setting in ("tcp_keepalives_idle = 5", "tcp_keepalives_interval = 2",
+                                    "tcp_keepalives_count = 3"):  # fmt: skip
+                        conn.execute(f"SET {setting}".encode())
+                    while not self._closed.is_set():
+                        if self.is_leader:
+                            conn.execute("SELECT 1")
+                        else:
+                            got = conn.execute(
+                                "SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)
+                            ).fetchone()
+                            self._set(bool(got and got[0]))
+                        self._closed.wait(self._interval)
+            except psycopg.Error as exc:
+                log.warning("leader election: %s: %s", redact_url(self.url), exc)
+                self._set(False)
+                self._closed.wait(self._interval)
+        self._set(False)

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import AttestationLimiter, ControlPlane
 from attestmesh.metrics import Metrics
+from attestmesh.replication import PgReplication
 from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority
 from certs.evidence import sim
@@ -34,7 +35,7 @@ from tests.unit.fixtures_core import (
 )
 from xds.state import Registration
 from xds.store import GroupCommitStore
-from xds.store_pg import follow, open_store
+from xds.store_pg import Leadership, follow, open_store, share_ca
 
 PLATFORM = ec.generate_private_key(ec.SECP256R1())
 
@@ -51,7 +52,10 @@ class Replica:
         *,
         follow_changes: bool = False,
         publisher: RecordingPublisher | None = None,
+        replicate: bool = False,
     ) -> None:
+        """``replicate``: the CA is shared through the database and a leader is elected, as
+        ``attestmesh controlplane`` does (``follow_changes`` too)."""
         self.store: GroupCommitStore = open_store(url)
         self.publisher = publisher or RecordingPublisher()
         self.metrics = Metrics()
@@ -61,11 +65,22 @@ class Replica:
             TRUST_DOMAIN,
             lambda ch: loop.call_soon_threadsafe(self.cp.adopt_changes, ch),
         )
-        self.feed = feed if follow_changes else None
+        self.feed = feed if follow_changes or replicate else None
+
+        def load() -> CertificateAuthority:
+            return CertificateAuthority.load_or_create(ca_dir, TRUST_DOMAIN, clock())
+
+        self.replication: PgReplication | None = None
+        if replicate:
+            assert feed is not None
+            share_ca(url, ca_dir, load)
+            self.replication = PgReplication(
+                url, ca_dir, feed.origin, load, leadership=Leadership(url, interval_seconds=0.2)
+            )
         self.cp = ControlPlane(
             state=state,
             store=self.store,
-            ca=CertificateAuthority.load_or_create(ca_dir, TRUST_DOMAIN, clock()),
+            ca=load(),
             verifiers={Tee.SIM: SimVerifier([PLATFORM.public_key()])},
             policies=parse_policies([policy_doc()]),
             mesh_policies=(),
@@ -75,10 +90,14 @@ class Replica:
             serials=x509.random_serial_number,
             random_bytes=secrets.token_bytes,
             limiter=AttestationLimiter(burst=1000),
+            replication=self.replication,
         )
         if self.feed is not None:
             self.store.attach(self.feed)
             self.feed.start()
+        if self.replication is not None:
+            self.store.attach(self.replication)
+            self.replication.start()
 
     async def register(self, regs: Sequence[Registration]) -> None:
         self.cp.register(regs)
