@@ -297,6 +297,23 @@ class Cluster:
             ),
         )
         self.admin = self.user_kubeconfig("test-admin", ("system:masters",))
+        # every request of a service account, at Metadata level (who, verb, resource, code):
+        # what the control plane's RBAC is checked against
+        self.audit_policy = self.workdir / "audit-policy.yaml"
+        self.audit_policy.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "audit.k8s.io/v1",
+                    "kind": "Policy",
+                    "omitStages": ["RequestReceived"],
+                    "rules": [
+                        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+                        {"level": "None"},
+                    ],
+                }
+            )
+        )
+        self.audit_log = self.workdir / "audit.log"
         self.procs["etcd"] = Proc(
             "etcd",
             [
@@ -341,6 +358,9 @@ class Cluster:
                 "--endpoint-reconciler-type=none",
                 "--service-cluster-ip-range=10.96.0.0/24",
                 "--enable-priority-and-fairness=false",
+                f"--audit-policy-file={self.audit_policy}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
                 "--v=1",
             ],
             self.workdir / "kube-apiserver.log",
@@ -432,8 +452,10 @@ class Cluster:
         port; returns an admin kubeconfig for it. Writes through it reach etcd while the first
         one is down."""
         port = free_port()
+        swap = {"--secure-port=": f"--secure-port={port}",
+                "--audit-log-path=": f"--audit-log-path={self.workdir / 'audit-2.log'}"}  # fmt: skip
         argv = [
-            f"--secure-port={port}" if a.startswith("--secure-port=") else a
+            next((v for k, v in swap.items() if a.startswith(k)), a)
             for a in self.procs["kube-apiserver"].argv
         ]
         proc = Proc("kube-apiserver-2", argv, self.workdir / "kube-apiserver-2.log")
@@ -458,6 +480,18 @@ class Cluster:
 
     def stop_scheduler(self) -> None:
         self.procs["kube-scheduler"].stop()
+
+    def audit_events(self, user: str) -> list[dict[str, Any]]:
+        """The audit events (ResponseComplete stage) of requests made as ``user``."""
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.audit_log.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("stage") == "ResponseComplete" and (
+                    event.get("user", {}).get("username") == user
+                ):
+                    out.append(event)
+        return out
 
     def etcd_compact(self) -> int:
         """Compact etcd's history to its current revision (what the API server does every
