@@ -214,11 +214,18 @@ async def test_backpressure_bounds_what_the_bridge_buffers() -> None:
             w.write_eof()
 
         sender = asyncio.create_task(send())
-        await asyncio.sleep(0.5)
-        relayed = metric(registry, "attestmesh_nitro_bridge_bytes_total", bridge="b",
-                         direction="out")  # fmt: skip
+
+        def relayed() -> float:
+            return metric(registry, "attestmesh_nitro_bridge_bytes_total", bridge="b",
+                          direction="out")  # fmt: skip
+
+        async with asyncio.timeout(20):  # until the relay stalls: no progress for 0.3 s
+            last = -1.0
+            while relayed() == 0 or relayed() != last:
+                last = relayed()
+                await asyncio.sleep(0.3)
         assert not sender.done()  # the source is held back
-        assert 0 < relayed < 24 * 1024 * 1024, relayed
+        assert 0 < relayed() < 24 * 1024 * 1024, relayed()
         release.set()
         await asyncio.wait_for(sender, 30)
         await asyncio.wait_for(r.read(), 30)

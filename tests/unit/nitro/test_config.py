@@ -6,7 +6,7 @@ import contextlib
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.nitro.bridge import BridgeError
@@ -121,7 +121,7 @@ def test_messages_are_bounded_json_objects_of_known_types() -> None:
             decode(bad)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=512))
 def test_decode_raises_only_control_errors(data: bytes) -> None:
     try:
@@ -131,7 +131,7 @@ def test_decode_raises_only_control_errors(data: bytes) -> None:
     assert msg["type"] in ("hello", "config", "token", "status")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.dictionaries(
         st.sampled_from(list(config())),
