@@ -71,6 +71,13 @@ def add_agent_parser(sub: Any) -> argparse.ArgumentParser:
     from attestmesh.cp_attest import add_gate_arguments
 
     add_gate_arguments(a)
+    a.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="attach this many NVIDIA confidential GPUs (NVIDIA attestation SDK) to the CVM's "
+        "evidence (sev-snp, tsm), each bound to the same challenge",
+    )
     return a
 
 
@@ -212,6 +219,10 @@ def run_agent(args: argparse.Namespace) -> int:
     if args.check:
         return _check(args)
     source = _source(args)
+    if args.gpus:
+        from sidecar.gpu import GpuAttachedSource, nvidia_sdk_gpus
+
+        source = GpuAttachedSource(source, nvidia_sdk_gpus(args.gpus))
     bundle = args.ca_bundle.read_bytes()
     from attestmesh.cp_attest import gate_from_args
 

@@ -6,6 +6,7 @@ claim sets, and a mesh rule on a GPU measurement matches the workload on record.
 
 from __future__ import annotations
 
+import base64
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import ControlPlane
@@ -29,7 +31,7 @@ from certs.evidence.nvidia_gpu import NvidiaGpuVerifier
 from certs.evidence.sev_snp import SevSnpVerifier, parse_amd_chain
 from certs.policy import parse_policies
 from sidecar.agent import Agent, AgentError, Evidence, client_ssl_context
-from sidecar.gpu import GpuAttachedSource
+from sidecar.gpu import GpuAttachedSource, chain_pem, nvidia_sdk_gpus
 from tests.component.test_agent import RecordingSink, _server_tls
 from tests.unit.evidence import test_nvidia as nv
 from tests.unit.evidence.test_sev_snp import CHIP, IDBLOCK, SYN_TCB, TCB_RAW, _Amd, _sign
@@ -218,3 +220,98 @@ def test_a_gpu_source_needs_gpus_and_a_cvm(env: Env) -> None:
     with pytest.raises(AttestmeshError) as err:
         GpuAttachedSource(Enclave(), env.gpus).collect(bytes(64), nonce=bytes(32), spki=b"k")
     assert err.value.reason == "tee_unsupported"
+
+
+# -- NVIDIA's attestation SDK as the device interface, faked at its evidence call ---------------
+
+
+class FakeSdk:
+    """``generate_evidence(nonce hex)`` as NVIDIA's SDK answers: one entry per GPU, the report
+    as hex, the chain base64 (here DER certificates back to back)."""
+
+    def __init__(self, gpus: list[FakeH100]) -> None:
+        self.gpus = gpus
+        self.calls: list[str] = []
+
+    def __call__(self, nonce_hex: str) -> list[dict[str, str]]:
+        self.calls.append(nonce_hex)
+        out = []
+        for g in self.gpus:
+            ders = b"".join(
+                c.public_bytes(serialization.Encoding.DER)
+                for c in x509.load_pem_x509_certificates(g.bundle)
+            )
+            out.append(
+                {
+                    "attestationReportHexStr": g.attestation_report(bytes.fromhex(nonce_hex)).hex(),
+                    "certChainBase64Encoded": base64.b64encode(ders).decode(),
+                }
+            )
+        return out
+
+
+async def test_the_agent_attests_through_nvidias_sdk(env: Env) -> None:
+    sdk = FakeSdk(env.gpus)
+    agent, sink = _agent(env, GpuAttachedSource(env.cvm, nvidia_sdk_gpus(2, sdk)))
+    async with aiohttp.ClientSession() as session:
+        await agent.attest_once(session)
+    assert env.cp.status_of("web-1") is Status.ATTESTED
+    assert len(sdk.calls) == 2 and sdk.calls[0] != sdk.calls[1]  # a nonce per GPU
+    leaf = x509.load_pem_x509_certificates(sink.updates[0][0])[0]
+    doc = decode_claims_extension(leaf.extensions.get_extension_for_oid(CLAIMS_OID).value.value)  # type: ignore[attr-defined]
+    assert doc["measurements"]["gpu1.measurement_1"] == GPU_VALUE  # type: ignore[index]
+
+
+def test_sdk_failures_are_clear_errors(env: Env) -> None:
+    from certs.errors import AttestmeshError
+
+    def boom(nonce_hex: str) -> list[dict[str, str]]:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    for generate, problem in (
+        (boom, "NVML_ERROR_NOT_SUPPORTED"),
+        (lambda n: [], "reports 0 GPUs"),
+        (lambda n: [{"attestationReportHexStr": 1}], "no report/chain"),
+        (lambda n: [{"attestationReportHexStr": "zz", "certChainBase64Encoded": ""}], "unreadable"),
+    ):
+        (gpu,) = nvidia_sdk_gpus(1, generate)  # type: ignore[arg-type]
+        with pytest.raises(AttestmeshError) as err:
+            gpu.attestation_report(bytes(32))
+        assert err.value.reason == "gpu_unavailable" and problem in err.value.detail
+    with pytest.raises(AttestmeshError) as err:
+        nvidia_sdk_gpus(1, FakeSdk(env.gpus))[0].certificate_chain()
+    assert err.value.reason == "gpu_unavailable"
+    # PEM passes through, DER back to back becomes PEM, anything else is refused
+    pem = env.gpus[0].bundle
+    assert chain_pem(pem) == pem
+    ders = b"".join(
+        c.public_bytes(serialization.Encoding.DER) for c in x509.load_pem_x509_certificates(pem)
+    )
+    assert x509.load_pem_x509_certificates(chain_pem(ders)) == x509.load_pem_x509_certificates(pem)
+    for bad in (b"", b"\x30\x82\xff\xff", b"junk"):
+        with pytest.raises(ValueError):
+            chain_pem(bad)
+
+
+def test_agent_gpus_flag_needs_the_sdk(tmp_path: Path) -> None:
+    from attestmesh.agent_cmd import run_agent
+    from attestmesh.cli import build_parser
+    from certs.errors import AttestmeshError
+
+    key = tmp_path / "k.pem"
+    key.write_bytes(
+        ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    args = build_parser().parse_args(
+        ["agent", "--control-plane", "https://127.0.0.1:1", "--workload", "w",
+         "--ca-bundle", str(key), "--sds-socket", str(tmp_path / "s"), "--tee", "sim",
+         "--sim-platform-key", str(key), "--sim-measurement", "00" * 48, "--gpus", "1"]
+    )  # fmt: skip
+    assert args.gpus == 1
+    with pytest.raises(AttestmeshError) as err:
+        run_agent(args)
+    assert err.value.reason == "usage" and "nv-attestation-sdk" in err.value.detail
