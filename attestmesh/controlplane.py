@@ -271,6 +271,11 @@ class ControlPlane:
         return self._policies
 
     @property
+    def verifiers(self) -> Mapping[Tee, Verifier]:
+        """The configured evidence verifiers (the KBS endpoint verifies with the same)."""
+        return self._verifiers
+
+    @property
     def ca(self) -> CertificateAuthority:
         return self._ca
 

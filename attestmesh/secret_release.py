@@ -48,6 +48,7 @@ class SecretReleaseSettings:
     openbao_ca: Path | None = None  # PEM bundle for OpenBao's TLS (default: system roots)
     openbao_namespace: str | None = None
     poll: timedelta = timedelta(seconds=2)
+    kbs_port: int | None = None  # the KBS resource protocol (CoCo image keys), server TLS
 
     def check(self) -> None:
         if (self.token_file is None) == (self.approle is None):
@@ -78,6 +79,11 @@ def add_arguments(parser: Any) -> None:
     g.add_argument("--openbao-approle-mount", default="approle", help="AppRole auth mount")
     g.add_argument("--openbao-ca", type=Path, help="PEM bundle verifying OpenBao's TLS")
     g.add_argument("--openbao-namespace", help="OpenBao namespace (X-Vault-Namespace)")
+    g.add_argument(
+        "--kbs-port",
+        type=int,
+        help="also serve the KBS resource protocol here (CoCo encrypted images: kbsResource)",
+    )
 
 
 def settings_from_args(args: Any) -> SecretReleaseSettings | None:
@@ -97,6 +103,7 @@ def settings_from_args(args: Any) -> SecretReleaseSettings | None:
         approle_mount=args.openbao_approle_mount,
         openbao_ca=args.openbao_ca,
         openbao_namespace=args.openbao_namespace,
+        kbs_port=args.kbs_port,
     )
     s.check()
     return s
@@ -237,18 +244,61 @@ async def start(
     host: str,
     limits: ListenLimits,
     on_refused: OnRefused | None = None,
-) -> web.AppRunner:
-    """The secret port of a running control plane ``cp``: its live state decides, its store
-    keeps the audit events."""
+    kbs_tls: ssl.SSLContext | None = None,
+) -> list[web.AppRunner]:
+    """The secret port of a running control plane ``cp`` (its live state decides, its store
+    keeps the audit events) and, with ``kbs_port``, the KBS port (server TLS ``kbs_tls``)."""
+    backend = build_backend(s, session)
     service = build_service(
-        state=lambda: cp.state,
-        policies=policies,
-        backend=build_backend(s, session),
-        record=cp.record_events,
+        state=lambda: cp.state, policies=policies, backend=backend, record=cp.record_events,
         metrics=metrics,
-    )
+    )  # fmt: skip
     runner, _ = await start_secret_listener(service, tls, host, s.port, limits, on_refused)
     log.info("secret release up: https://%s:%d (OpenBao %s)", host, s.port, s.openbao_url)
+    runners = [runner]
+    if s.kbs_port is not None and kbs_tls is not None:
+        runners.append(
+            await start_kbs(s, cp, policies, metrics, backend, kbs_tls, host, limits, on_refused)
+        )
+    return runners
+
+
+async def start_kbs(
+    s: SecretReleaseSettings,
+    cp: Any,
+    policies: SecretPolicies,
+    metrics: Metrics,
+    backend: SecretBackend,
+    tls: ssl.SSLContext,
+    host: str,
+    limits: ListenLimits,
+    on_refused: OnRefused | None = None,
+) -> web.AppRunner:
+    import secrets as _secrets
+
+    from certs.kbs_api import KbsService, build_kbs_app
+
+    def on_decision(operation: str, result: str, reason: str) -> None:
+        metrics.secret_requests.labels(operation, result, reason).inc()
+
+    service = KbsService(
+        state=lambda: cp.state,
+        verifiers=lambda: cp.verifiers,
+        attestation_policies=lambda: cp.policies,
+        secret_policies=policies,
+        backend=backend,
+        audit=cp.record_events,
+        on_decision=on_decision,
+        clock=lambda: datetime.now(UTC),
+        random_bytes=_secrets.token_bytes,
+    )
+    runner = web.AppRunner(build_kbs_app(service), access_log=None)
+    await runner.setup()
+    await start_aiohttp(
+        runner, host, s.kbs_port or 0, ssl=tls, limits=secret_limits(limits), name="kbs",
+        on_refused=on_refused,
+    )  # fmt: skip
+    log.info("KBS up: https://%s:%s/kbs/v0", host, s.kbs_port)
     return runner
 
 

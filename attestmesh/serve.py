@@ -627,7 +627,7 @@ async def run_control_plane(
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
         grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
-        secret_runner: web.AppRunner | None = None
+        secret_runners: list[web.AppRunner] = []
         try:
             await api_runner.setup()
             await ops_runner.setup()
@@ -653,9 +653,13 @@ async def run_control_plane(
                 secret_tls = secret_release.secrets_tls(cp.ca.bundle_pem)
                 contexts.append(secret_tls)
                 _load_server_cert([secret_tls], cp.ca, settings, datetime.now(UTC))
-                secret_runner = await secret_release.start(
+                kbs_tls = _api_tls() if settings.secrets.kbs_port is not None else None
+                if kbs_tls is not None:  # server TLS: a KBS client has no mesh certificate
+                    contexts.append(kbs_tls)
+                    _load_server_cert([kbs_tls], cp.ca, settings, datetime.now(UTC))
+                secret_runners = await secret_release.start(
                     settings.secrets, cp, secret_policies, metrics, session, secret_tls,
-                    settings.host, lim, on_refused,
+                    settings.host, lim, on_refused, kbs_tls,
                 )  # fmt: skip
             log.info(
                 "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
@@ -688,6 +692,6 @@ async def run_control_plane(
             await grpc.wait_closed()
             await api_runner.cleanup()
             await ops_runner.cleanup()
-            if secret_runner is not None:
-                await secret_runner.cleanup()
+            for runner in secret_runners:
+                await runner.cleanup()
             store.close()

@@ -1,13 +1,15 @@
 """The real ``attestmesh controlplane`` process with ``--ca-key-store pkcs11:`` (a real SoftHSM2
 token) and ``--secret-policy`` against a real OpenBao (``bao server -dev``): an agent attests
 over the API (its certificate signed by the token's intermediate), fetches a secret over the
-mutual-TLS secret port, sealed to its key; a SIGKILL and restart keeps the same root (the keys
+mutual-TLS secret port, sealed to its key, and the same secret over the KBS port (a client
+written from the KBS protocol description); a SIGKILL and restart keeps the same root (the keys
 stay in the token, the state directory holds references only) and the next release works."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,9 @@ from attestmesh.demo import GOOD, NAMES, free_port, join_token, write_config
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.secrets import FanOut, SecretFetcher
 from tests.bao_harness import start_bao
+from tests.component.test_kbs import KbsClient
 from tests.softhsm_harness import init_token
+from tests.unit.test_sealing import _decrypt_jwe
 
 pytestmark = pytest.mark.integration
 
@@ -76,12 +80,18 @@ async def test_hsm_ca_and_secret_release_through_the_real_process(tmp_path: Path
             "kind": "SecretPolicy",
             "metadata": {"name": "demo", "namespace": "default"},
             "spec": {
-                "secrets": [{"name": "db", "kv": {"mount": "secret", "path": "demo/db"}}],
+                "secrets": [
+                    {
+                        "name": "db",
+                        "kv": {"mount": "secret", "path": "demo/db"},
+                        "kbsResource": "demo/key/db",
+                    }
+                ],
                 "rules": [{"from": [{"serviceAccount": "backend"}], "secrets": ["db"]}],
             },
         }
         (tmp_path / "secrets.yaml").write_text(yaml.safe_dump(policy))
-        secret_port = free_port()
+        secret_port, kbs_port = free_port(), free_port()
         args = [
             sys.executable, "-m", "attestmesh.cli", "controlplane",
             "--state-dir", str(s.state_dir), "--policy", str(s.policy_file),
@@ -91,6 +101,7 @@ async def test_hsm_ca_and_secret_release_through_the_real_process(tmp_path: Path
             "--ca-key-store", token.uri,
             "--secret-policy", str(tmp_path / "secrets.yaml"), "--secret-port", str(secret_port),
             "--openbao-url", bao.url, "--openbao-token-file", str(bao_token),
+            "--kbs-port", str(kbs_port),
         ]  # fmt: skip
         log = tmp_path / "controlplane.log"
         proc = await _start(args, log, s.ops_port, env)
@@ -130,6 +141,18 @@ async def test_hsm_ca_and_secret_release_through_the_real_process(tmp_path: Path
         frontend = await attest_and_fetch("frontend")
         assert frontend.last_error["db"].reason == "not_allowed"
         assert not (tmp_path / "frontend" / "secrets" / "db").exists()
+
+        # the same secret over the KBS resource protocol, as a CoCo image pull would fetch it
+        kbs = KbsClient(f"https://localhost:{kbs_port}", root_pem, platform)
+        try:
+            _, challenge = await kbs.auth()
+            status, problem = await kbs.attest("backend", kbs.evidence(challenge["nonce"], GOOD))
+            assert status == 200, problem
+            status, jwe = await kbs.resource("demo/key/db")
+        finally:
+            await kbs.close()
+        assert status == 200
+        assert json.loads(_decrypt_jwe(jwe, kbs.tee_key)) == {"password": "pw-from-bao"}
 
         proc.kill()
         proc.wait(10)
