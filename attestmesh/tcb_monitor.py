@@ -37,6 +37,7 @@ from certs.evidence.sev_snp import AmdChain, parse_amd_chain
 from certs.policy import AttestationPolicy, OnTcbChange, policies_for
 from certs.tcb_reeval import (
     PlatformKey,
+    Reevaluator,
     TcbCollateral,
     TcbFinding,
     digest,
@@ -168,8 +169,9 @@ def reappraise_all(
     still admitted. Pure and CPU-bound: the monitor runs it on a worker thread."""
     findings: list[TcbFinding] = []
     admitted: list[str] = []
+    evaluate = Reevaluator(coll)  # the workloads of one platform: one evaluation
     for name, claims, governing in items:
-        f = reappraise(name, claims, governing, coll, now)
+        f = reappraise(name, claims, governing, coll, now, evaluate)
         if f is None:
             admitted.append(name)
         else:

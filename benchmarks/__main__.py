@@ -25,6 +25,7 @@ MODULES = [
     "benchmarks.bench_replicas",
     "benchmarks.bench_demo",
     "benchmarks.bench_nitro_bridge",
+    "benchmarks.bench_beyond",
 ]
 ARGS = {"benchmarks.bench_scale": shlex.split(os.environ.get("BENCH_SCALE_ARGS", "--n 1000,10000"))}
 

@@ -25,7 +25,7 @@ AMD).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
@@ -240,6 +240,58 @@ def _reevaluate_amd(claims: Claims, coll: TcbCollateral) -> Claims:
     return replace(claims, tcb_status=TcbStatus.REVOKED.value, details=details)
 
 
+# Every claim fact ``reevaluate`` reads or rewrites: claims equal in these are re-evaluated
+# alike, so the workloads of one platform cost one evaluation (``Reevaluator``).
+_TCB_DETAILS = (
+    "fmspc", "pck_ca", "pce_id", "pck_serial", "tee_tcb_svn", "tcb_eval_data_number", "tcb_date",
+    "platform_tcb_status", "qe_tcb_status", "tdx_module_tcb_status", "pck_revoked", "product",
+    "endorsement_serial", "intermediate_serial", "revoked_by_crl",
+)  # fmt: skip
+
+
+def tcb_facts(claims: Claims) -> tuple[object, ...]:
+    d = claims.details
+    return (
+        claims.tee,
+        tuple(sorted(claims.tcb.items())),
+        tuple(d.get(k) for k in _TCB_DETAILS),
+        tuple(k in d for k in _TCB_DETAILS),
+        claims.tcb_status,
+        claims.advisories,
+    )
+
+
+class Reevaluator:
+    """``reevaluate`` against one collateral set, memoised per distinct TCB facts."""
+
+    def __init__(self, coll: TcbCollateral) -> None:
+        self._coll = coll
+        self._memo: dict[tuple[object, ...], tuple[str | None, tuple[str, ...], dict[str, Detail]]
+                         | None] = {}  # fmt: skip
+
+    def __call__(self, claims: Claims) -> Claims:
+        key = tcb_facts(claims)
+        if key not in self._memo:
+            fresh = reevaluate(claims, self._coll)
+            self._memo[key] = (
+                None
+                if fresh is claims
+                else (
+                    fresh.tcb_status,
+                    fresh.advisories,
+                    {k: v for k, v in fresh.details.items() if claims.details.get(k, v) != v
+                     or k not in claims.details},
+                )
+            )  # fmt: skip
+        hit = self._memo[key]
+        if hit is None:
+            return claims
+        status, advisories, changes = hit
+        return replace(
+            claims, tcb_status=status, advisories=advisories, details={**claims.details, **changes}
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # AMD CRL (KDS ``/vcek/v1/{product}/crl``): signed by the product's ARK with RSA-PSS SHA-384.
 
@@ -355,12 +407,14 @@ def reappraise(
     governing: Sequence[AttestationPolicy],
     coll: TcbCollateral,
     now: datetime,
+    evaluate: Callable[[Claims], Claims] | None = None,
 ) -> TcbFinding | None:
-    """Re-evaluate ``claims`` against ``coll`` and appraise them with every enforcing governing
-    policy. A finding when a policy now rejects them for TCB reasons (a revoked platform is a
-    finding whatever the policy accepts); None when they are still admitted, or when the
-    rejection is not a TCB one (not this module's business: ``set_policies`` handles those)."""
-    fresh = reevaluate(claims, coll)
+    """Re-evaluate ``claims`` against ``coll`` (or with ``evaluate``, a ``Reevaluator`` of it)
+    and appraise them with every enforcing governing policy. A finding when a policy now rejects
+    them for TCB reasons (a revoked platform is a finding whatever the policy accepts); None
+    when they are still admitted, or when the rejection is not a TCB one (not this module's
+    business: ``set_policies`` handles those)."""
+    fresh = evaluate(claims) if evaluate is not None else reevaluate(claims, coll)
     enforced = [p for p in governing if p.mode is Mode.ENFORCE]
     rejected = [d for p in enforced if isinstance(d := appraise(fresh, p, now), Rejected)]
     revoked = fresh.tcb_status == TcbStatus.REVOKED

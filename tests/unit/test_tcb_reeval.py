@@ -29,6 +29,7 @@ from certs.evidence.tdx import TdxVerifier
 from certs.policy import OnTcbChange, parse_policies
 from certs.tcb_reeval import (
     NO_TCB_LEVEL,
+    Reevaluator,
     TcbCollateral,
     platform_keys,
     reappraise,
@@ -333,3 +334,20 @@ def test_claims_without_tcb_facts_have_nothing_to_reevaluate() -> None:
     c = sim_claims(Tee.SIM)
     assert platform_keys(c) == frozenset()
     assert reevaluate(c, TcbCollateral(amd_revoked={"Milan": frozenset({1})})) is c
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_memoised_reevaluator_equals_reevaluate(pki: fx.Pki, variant: str) -> None:
+    base = _tdx_claims(pki, _coll(pki))
+    current = _current(pki, _coll(pki, revoked_pck=(0x77,), **VARIANTS[variant]))
+    siblings = [
+        base,
+        replace(base, evidence_sha256="cd" * 32),  # another workload, same platform
+        replace(base, details={**base.details, "pck_serial": "77"}),  # its PCK is revoked
+        replace(base, details={**base.details, "tcb_date": "2020-01-01T00:00:00Z"}),
+        replace(base, tcb={**base.tcb, "qe_svn": 1}),  # an older QE
+    ]
+    memo = Reevaluator(current)
+    for claims in siblings * 2:  # the second round comes from the memo
+        assert memo(claims) == reevaluate(claims, current)
+    assert memo(siblings[1]).evidence_sha256 == "cd" * 32
