@@ -306,3 +306,26 @@ def test_mesh_rules_match_gpu_claims(rig: Rig) -> None:
     assert not rule.matches(without)  # type: ignore[arg-type]
     other = ClaimsCondition(frozenset(), (("gpu0.measurement_1", frozenset({"00" * 48})),))
     assert not other.matches(with_gpu)  # type: ignore[arg-type]
+
+
+def test_a_td_with_a_gpu_verifies_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TDX: the binding is the TD report's REPORTDATA; the GPU nonce derives from it alike."""
+    import tests.unit.evidence.dcap_fixtures as fx
+    from certs.evidence.tdx import TdxVerifier
+
+    monkeypatch.setattr(nv, "T0", fx.NOW)  # the synthetic GPU chain around the DCAP fixtures' time
+    pki = fx.Pki()
+    bundle, key = nv.make_leaf(FWID)
+    root = bundle[bundle.index(b"-----BEGIN", 10) :]
+    verifier = CompositeVerifier(TdxVerifier(pki.root_der), NvidiaGpuVerifier(root))
+    rd = _binding()
+    quote = fx.build_quote(pki, tdx=True, body=fx.td_report(report_data=rd))
+    collateral = {"collateral_json": fx.build_collateral(pki, tdx=True)}
+    gpu = GpuEvidence(nv.build_report(key, FWID, gpu_nonce(rd, 0, 1)), bundle)
+    claims = verifier.verify(quote, now=fx.NOW, collateral={**collateral, **gpu_collateral([gpu])})
+    assert claims.tee is Tee.TDX and claims.details["gpu_count"] == 1
+    assert claims.measurements["gpu0.measurement_1"] == GPU_VALUE and "mrtd" in claims.measurements
+    other = GpuEvidence(nv.build_report(key, FWID, gpu_nonce(_binding(), 0, 1)), bundle)
+    with pytest.raises(EvidenceVerificationError) as err:
+        verifier.verify(quote, now=fx.NOW, collateral={**collateral, **gpu_collateral([other])})
+    assert err.value.reason == "gpu_binding_mismatch"
