@@ -118,7 +118,6 @@ class Parent:
             registry=self.registry,
         )
         self._session_writer: asyncio.StreamWriter | None = None
-        self._hello = asyncio.Event()
         self._lost = asyncio.Event()
         self._token: str | None = None
         self._bridges: list[Bridge] = []
@@ -142,7 +141,7 @@ class Parent:
                 await asyncio.sleep(CONNECT_RETRY_S)
         return None
 
-    async def _session(self, enclave: RunningEnclave, stop: asyncio.Event) -> None:
+    async def _session(self, enclave: RunningEnclave) -> None:
         """The control session with ``enclave``: returns when it ends (``_lost`` is set)."""
         try:
             streams = await self._open_session(
@@ -162,7 +161,6 @@ class Parent:
                 self._token = self._read_token()
                 config = replace(self.settings.config, routes=self._routes, token=self._token)
                 writer.write(encode(config.to_message()))
-                self._hello.set()
                 while line := await reader.readline():
                     msg = decode(line)
                     if msg["type"] != "status":
@@ -239,7 +237,6 @@ class Parent:
         failures = 0
         backoff = self.settings.backoff
         while not stop.is_set():
-            self._hello.clear()
             self._lost.clear()
             enclave = await self._start()
             started = time.monotonic()
@@ -251,7 +248,7 @@ class Parent:
                     enclave_cid=enclave.cid,
                     status=None,
                 )
-                session = asyncio.create_task(self._session(enclave, stop))
+                session = asyncio.create_task(self._session(enclave))
                 try:
                     await self._until_gone(enclave, stop)
                 finally:
