@@ -358,3 +358,20 @@ def test_inspect_refuses_what_does_not_verify(tmp_path: Path, ca: CertificateAut
     assert code == 2 and "no readable X.509 certificate" in err
     code, _, err = _inspect(tmp_path, _pem(leaf), "--trust", str(tmp_path / "missing.pem"))
     assert code == 2 and "cannot read" in err
+
+
+def test_an_independent_jwt_implementation_verifies_the_ear(ca: CertificateAuthority) -> None:
+    """PyJWT (RFC 7515/7518 ES256, not this project's code) accepts the token with the issuing
+    intermediate's key and reads the same claims; with another key it refuses it."""
+    import jwt
+
+    key = new_key()
+    leaf = _leaf(ca, key=key)
+    token = ear_token_of(leaf)
+    issuer_key = ca.intermediate.cert.public_key()
+    later = {"verify_iat": False}  # the fixtures' clock is in 2030
+    decoded = jwt.decode(token, key=issuer_key, algorithms=["ES256"], options=later)  # type: ignore[arg-type]
+    assert decoded == dict(verify_certificate_ear(leaf, ca.intermediate.cert, SPIFFE).claims)
+    assert jwt.get_unverified_header(token)["typ"] == "JWT"
+    with pytest.raises(jwt.InvalidSignatureError):
+        jwt.decode(token, key=new_key().public_key(), algorithms=["ES256"], options=later)
