@@ -171,16 +171,17 @@ def _agent(args: argparse.Namespace) -> int:
 def _bootstrap(args: argparse.Namespace) -> int:
     from attestmesh.serve import control_plane_spiffe_id
     from sidecar.bootstrap import (
-        ControlPlaneAddress,
         XdsProtocol,
         XdsTls,
         build_bootstrap,
+        control_plane_addresses,
         render_bootstrap,
     )
 
-    host, _, port = args.xds.rpartition(":")
-    if not host or not port.isdigit():
-        raise AttestmeshError("usage", f"--xds must be host:port, got {args.xds!r}")
+    try:  # several replicas: host:port,host:port (each an endpoint of the ADS cluster)
+        addresses = control_plane_addresses(args.xds)
+    except ValueError as exc:
+        raise AttestmeshError("usage", f"--xds must be host:port[,host:port...]: {exc}") from None
     if args.xds_ca is None and not args.xds_plaintext:
         raise AttestmeshError(
             "usage", "--xds-ca FILE (the mesh root bundle) is required unless --xds-plaintext"
@@ -192,7 +193,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     text = render_bootstrap(
         build_bootstrap(
             args.node,
-            ControlPlaneAddress(host, int(port)),
+            addresses,
             args.sds_socket,
             args.admin_port,
             xds_tls=tls,
@@ -392,7 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bootstrap", help="render the Envoy bootstrap for a sidecar")
     b.add_argument("--node", required=True, help="the workload (registration) name")
-    b.add_argument("--xds", required=True, help="control plane ADS address host:port")
+    b.add_argument(
+        "--xds",
+        required=True,
+        help="control plane ADS address host:port, or several replicas: host:port,host:port",
+    )
     b.add_argument("--sds-socket", type=Path, required=True, help="the agent's SDS Unix socket")
     b.add_argument("--admin-port", type=int, default=15000)
     b.add_argument("--xds-ca", type=Path, help="mesh root bundle (PEM) to verify the control plane")

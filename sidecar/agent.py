@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import random
+import socket
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -23,6 +25,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from certs.binding import expected_report_data
 from certs.errors import AttestmeshError
 from certs.evidence import sim
+from sidecar.endpoints import (
+    ControlPlaneEndpoint,
+    Target,
+    backoff_s,
+    is_outage,
+    parse_endpoints,
+    rotate,
+    targets_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +102,26 @@ def next_attestation_at(cert: AgentCertificate, now: datetime) -> datetime:
     return now + min(cert.renew_after - now, (cert.reattest_by - now) / 2)
 
 
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (TCP), in the resolver's order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
 class Agent:
+    """``url``: one control-plane API URL, a comma-separated list, or a sequence of them; a
+    host name may resolve to several replicas. An outage of one replica (refused, timeout, TLS
+    failure, 502/503/504) moves the attestation to the next after a jittered delay; the
+    challenge and its attest/renew always go to the same replica (a nonce is valid only where
+    it was issued), so a replica lost in between restarts the pair on the next one."""
+
     def __init__(
         self,
         *,
-        url: str,
+        url: str | Sequence[str],
         workload: str,
         source: EvidenceSource,
         sink: CertSink,
@@ -103,28 +129,55 @@ class Agent:
         token: Callable[[], str | None] = lambda: None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         timeout_s: float = 10.0,
+        connect_timeout_s: float = 3.0,
+        resolve: Resolver = resolve_host,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rand: Callable[[], float] = random.random,
     ) -> None:
-        self._url = url.rstrip("/")
+        self._endpoints: tuple[ControlPlaneEndpoint, ...] = parse_endpoints(url)
+        self._resolve = resolve
+        self._sleep = sleep
+        self._rand = rand
+        self._preferred: Target | None = None  # the replica that answered last
         self._workload = workload
         self._source = source
         self._sink = sink
         self._ssl = ssl_context
         self._token = token
         self._clock = clock
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=timeout_s, sock_connect=min(connect_timeout_s, timeout_s)
+        )
         self.current: AgentCertificate | None = None
         self.attest_now = asyncio.Event()
 
-    async def _post(self, session: aiohttp.ClientSession, path: str, body: Any) -> Any:
+    async def _post(
+        self, session: aiohttp.ClientSession, target: Target, path: str, body: Any
+    ) -> Any:
         headers = {}
         token = self._token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        extra: dict[str, Any] = {}
+        if target.address != target.endpoint.host:  # dialled a resolved address: TLS and
+            headers["Host"] = target.host_header  # HTTP still name the configured host
+            if target.endpoint.scheme == "https":
+                extra["server_hostname"] = target.server_hostname
         try:
             async with session.post(
-                self._url + path, json=body, ssl=self._ssl, headers=headers, timeout=self._timeout
+                target.base_url + path,
+                json=body,
+                ssl=self._ssl,
+                headers=headers,
+                timeout=self._timeout,
+                **extra,
             ) as resp:
-                data = await resp.json(content_type=None)
+                try:
+                    data = await resp.json(content_type=None)
+                except ValueError:
+                    if resp.status == 200:
+                        raise
+                    data = None  # a refusal without a JSON body is still a refusal
                 if resp.status != 200:
                     err = data if isinstance(data, dict) else {}
                     raise AgentError(
@@ -138,13 +191,50 @@ class Agent:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise AgentError("control_plane_unreachable", repr(exc)) from exc
 
+    async def _targets(self) -> tuple[list[Target], AgentError | None]:
+        """Every replica to try, the one that answered last first; and the last resolution
+        failure (raised when no target is left)."""
+        targets: list[Target] = []
+        failure: AgentError | None = None
+        for endpoint in self._endpoints:
+            if endpoint.is_ip:
+                targets += targets_of(endpoint, ())
+                continue
+            try:
+                addresses = await self._resolve(endpoint.host, endpoint.port)
+            except OSError as exc:  # socket.gaierror included
+                failure = AgentError("control_plane_unreachable", f"{endpoint.url}: {exc!r}")
+                log.warning("%s: cannot resolve %s: %r", self._workload, endpoint.host, exc)
+                continue
+            targets += targets_of(endpoint, addresses)
+        return rotate(targets, self._preferred), failure
+
     async def attest_once(self, session: aiohttp.ClientSession) -> AgentCertificate:
-        """One full attestation: a fresh key, fresh evidence, a new certificate."""
+        """One full attestation: a fresh key, fresh evidence, a new certificate. Replicas are
+        tried in turn while they fail with an outage; a refusal is raised at once."""
+        targets, last = await self._targets()
+        for i, target in enumerate(targets):
+            if i:
+                await self._sleep(backoff_s(i - 1, self._rand))
+            try:
+                cert = await self._attest_at(session, target)
+            except AgentError as exc:
+                if not is_outage(exc.reason, exc.status):
+                    raise
+                log.warning("%s: control plane %s unavailable: %s", self._workload, target, exc)
+                last = exc
+                continue
+            self._preferred = target
+            return cert
+        raise last or AgentError("control_plane_unreachable", "no control-plane address")
+
+    async def _attest_at(self, session: aiohttp.ClientSession, target: Target) -> AgentCertificate:
+        """Challenge and attest/renew at one replica."""
         key = ec.generate_private_key(ec.SECP256R1())
         spki = key.public_key().public_bytes(
             serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
         )
-        challenge = await self._post(session, "/v1/challenge", {})
+        challenge = await self._post(session, target, "/v1/challenge", {})
         try:
             nonce = base64.b64decode(challenge["nonce"], validate=True)
             report_data = expected_report_data(nonce, spki)
@@ -163,7 +253,7 @@ class Agent:
             "nonce": challenge["nonce"],
         }
         path = "/v1/renew" if self.current is not None else "/v1/attest"
-        data = await self._post(session, path, body)
+        data = await self._post(session, target, path, body)
         key_pem = key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,

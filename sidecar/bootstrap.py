@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,9 @@ def _http2_options() -> dict[str, Any]:
     }
 
 
-def _static_cluster(name: str, address: dict[str, Any], connect_timeout_s: float) -> dict[str, Any]:
+def _static_cluster(
+    name: str, addresses: Sequence[dict[str, Any]], connect_timeout_s: float
+) -> dict[str, Any]:
     return {
         "name": name,
         "type": "STATIC",
@@ -104,14 +107,30 @@ def _static_cluster(name: str, address: dict[str, Any], connect_timeout_s: float
         "typed_extension_protocol_options": _http2_options(),
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": a}} for a in addresses]}],
         },
     }
 
 
+def control_plane_addresses(text: str) -> tuple[ControlPlaneAddress, ...]:
+    """``host:port[,host:port...]`` (an IPv6 host in brackets) as addresses, duplicates
+    dropped; ValueError for anything else."""
+    out: list[ControlPlaneAddress] = []
+    for piece in text.split(","):
+        item = piece.strip()
+        host, _, port = item.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"control-plane address must be host:port, got {item!r}")
+        address = ControlPlaneAddress(host, int(port))
+        if address not in out:
+            out.append(address)
+    return tuple(out)
+
+
 def build_bootstrap(
     node: str,
-    xds: ControlPlaneAddress,
+    xds: ControlPlaneAddress | Sequence[ControlPlaneAddress],
     sds_socket: Path,
     admin_port: int,
     *,
@@ -123,19 +142,30 @@ def build_bootstrap(
 ) -> dict[str, Any]:
     """Bootstrap of the Envoy whose node id is ``node`` (= its Registration name).
 
-    ADS speaks ``xds_protocol`` (delta by default); the local SDS stays state-of-the-world."""
+    ``xds``: one control-plane address or several (replicas; a DNS name may also resolve to
+    several): each is an endpoint of the ADS cluster. When the stream's replica fails, Envoy
+    reconnects through the cluster's load balancer, i.e. to another endpoint; TCP keepalives
+    notice a replica that went silent. ADS speaks ``xds_protocol`` (delta by default); the
+    local SDS stays state-of-the-world."""
+    addresses = (xds,) if isinstance(xds, ControlPlaneAddress) else tuple(xds)
+    if not addresses:
+        raise ValueError("at least one control-plane address is required")
     ads = {
         "ads": {},
         "resource_api_version": "V3",
         "initial_fetch_timeout": f"{initial_fetch_timeout_s}s",
     }
     xds_cluster = _static_cluster(
-        XDS_CLUSTER, {"socket_address": {"address": xds.host, "port_value": xds.port}},
+        XDS_CLUSTER,
+        [{"socket_address": {"address": a.host, "port_value": a.port}} for a in addresses],
         connect_timeout_s,
-    )  # fmt: skip
-    if not _is_ip(xds.host):  # e.g. the in-cluster Service name: resolve it, keep resolving
+    )
+    if not all(_is_ip(a.host) for a in addresses):  # the Service name: resolve, keep resolving
         xds_cluster["type"] = "STRICT_DNS"
         xds_cluster["dns_lookup_family"] = "V4_PREFERRED"
+    xds_cluster["upstream_connection_options"] = {
+        "tcp_keepalive": {"keepalive_time": 10, "keepalive_interval": 3, "keepalive_probes": 3}
+    }
     if xds_tls is not None:
         xds_cluster["transport_socket"] = _xds_transport_socket(xds_tls)
     return {
@@ -147,7 +177,7 @@ def build_bootstrap(
             "clusters": [
                 xds_cluster,
                 _static_cluster(
-                    SDS_CLUSTER, {"pipe": {"path": str(sds_socket)}}, connect_timeout_s
+                    SDS_CLUSTER, [{"pipe": {"path": str(sds_socket)}}], connect_timeout_s
                 ),
             ]
         },
@@ -168,4 +198,11 @@ def render_bootstrap(bootstrap: dict[str, Any]) -> str:
     return json.dumps(bootstrap, indent=2, sort_keys=True)
 
 
-__all__ = ["ControlPlaneAddress", "XdsProtocol", "XdsTls", "build_bootstrap", "render_bootstrap"]
+__all__ = [
+    "ControlPlaneAddress",
+    "XdsProtocol",
+    "XdsTls",
+    "build_bootstrap",
+    "control_plane_addresses",
+    "render_bootstrap",
+]
