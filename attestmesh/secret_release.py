@@ -26,6 +26,7 @@ from attestmesh.metrics import Metrics
 from certs.errors import AttestmeshError, PolicyError
 from certs.openbao import AppRole, Credential, OpenBaoClient, TokenFile
 from certs.secrets_api import (
+    Limiter,
     SecretBackend,
     SecretPolicies,
     SecretService,
@@ -155,6 +156,7 @@ def build_service(
     backend: SecretBackend,
     record: Callable[[Sequence[Event]], Any],
     metrics: Metrics,
+    limiter: Limiter | None = None,
 ) -> SecretService:
     def on_decision(operation: str, result: str, reason: str) -> None:
         metrics.secret_requests.labels(operation, result, reason).inc()
@@ -171,7 +173,16 @@ def build_service(
         audit=audit,
         on_decision=on_decision,
         clock=lambda: datetime.now(UTC),
+        limiter=limiter if limiter is not None else default_limiter(),
     )
+
+
+def default_limiter() -> Limiter:
+    """Per workload: 128 requests at once, then 4 a second (an agent polls each of its secrets
+    every 30 s; renewals and restarts ask for all of them at once)."""
+    from attestmesh.controlplane import AttestationLimiter
+
+    return AttestationLimiter(burst=128, refill=timedelta(milliseconds=250))
 
 
 def secret_limits(limits: ListenLimits) -> ListenLimits:
@@ -291,6 +302,7 @@ async def start_kbs(
         on_decision=on_decision,
         clock=lambda: datetime.now(UTC),
         random_bytes=_secrets.token_bytes,
+        limiter=default_limiter(),
     )
     runner = web.AppRunner(build_kbs_app(service), access_log=None)
     await runner.setup()

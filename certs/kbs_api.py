@@ -40,7 +40,7 @@ from certs.kbs import (
 from certs.openbao import OpenBaoError
 from certs.policy import AttestationPolicy, Rejected, appraise_all, policies_for
 from certs.sealing import canonical_json, jwe_encrypt
-from certs.secrets_api import SecretBackend, SecretPolicies
+from certs.secrets_api import Limiter, SecretBackend, SecretPolicies
 from xds.secretpolicy import (
     Facts,
     KvSource,
@@ -72,7 +72,9 @@ class KbsService:
         on_decision: Decision,
         clock: Callable[[], datetime],
         random_bytes: Callable[[int], bytes],
+        limiter: Limiter | None = None,
     ) -> None:
+        self._limiter = limiter
         self._state = state
         self._verifiers = verifiers
         self._attestation_policies = attestation_policies
@@ -177,6 +179,12 @@ class KbsService:
         try:
             att, granted, spiffe = self._decide(sid, path)
             workload = att.workload
+            if self._limiter is not None:
+                try:
+                    self._limiter.take(f"kbs:{workload}", self._clock())
+                except AttestmeshError:
+                    self._on_decision("kbs", "refused", "too_many_requests")
+                    raise KbsError("too_many_requests", "too many requests", 429) from None
             source = granted.secret.source
             assert isinstance(source, KvSource)  # kbsResource exists only on kv secrets
             entry = await self._backend.kv_read(source.mount, source.path, source.version)
@@ -184,6 +192,8 @@ class KbsService:
             if again[1] != granted or again[0] != att:
                 raise KbsError("policy_changed", "the decision changed during the request", 403)
         except KbsError as exc:
+            if exc.status == 429:
+                raise  # counted above, never recorded
             self._on_decision("kbs", "refused", exc.reason)
             if workload or (exc.status == 403 and sid):
                 await self._refused(workload or self._session_workload(sid), path, exc)

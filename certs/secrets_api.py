@@ -132,6 +132,12 @@ Audit = Callable[[Sequence[Event]], Awaitable[None]]  # durable before the answe
 Run = Callable[[Granted, Facts], Awaitable[tuple[Released, str]]]
 
 
+class Limiter(Protocol):
+    """A per-workload request budget: ``take`` raises AttestmeshError when it is spent."""
+
+    def take(self, name: str, now: datetime) -> None: ...
+
+
 class SecretService:
     def __init__(
         self,
@@ -142,7 +148,9 @@ class SecretService:
         audit: Audit,
         on_decision: Decision,
         clock: Callable[[], datetime],
+        limiter: Limiter | None = None,
     ) -> None:
+        self._limiter = limiter
         self._state = state
         self._policies = policies
         self._backend = backend
@@ -174,6 +182,14 @@ class SecretService:
     async def _guarded(
         self, peer: PeerCertificate, workload: str, spelled: str, op: Operation, run: Run
     ) -> Released:
+        if self._limiter is not None:
+            # before anything is read or recorded: a workload looping on requests can neither
+            # load OpenBao nor grow the audit log without bound (counted, not recorded)
+            try:
+                self._limiter.take(workload, self._clock())
+            except AttestmeshError:
+                self._on_decision(op.value, "refused", "too_many_requests")
+                raise SecretRefused("too_many_requests", "too many secret requests") from None
         try:
             facts, granted = self._decide(peer, workload, spelled, op)
             released, note = await run(granted, facts)
@@ -275,6 +291,8 @@ def public_refusal(exc: AttestmeshError) -> tuple[int, dict[str, str]]:
         return 503, {"error": "backend_unavailable", "detail": "try again later"}
     if exc.reason in _HIDDEN:
         return 403, {"error": "not_allowed", "detail": "not released to this workload"}
+    if exc.reason == "too_many_requests":
+        return 429, {"error": exc.reason, "detail": exc.detail}
     if exc.reason in ("request_malformed", "no_client_certificate"):
         return 400, {"error": exc.reason, "detail": exc.detail}
     return 403, {"error": exc.reason, "detail": exc.detail}
@@ -365,6 +383,7 @@ def build_secrets_app(service: SecretService) -> web.Application:
 
 
 __all__ = [
+    "Limiter",
     "PeerCertificate",
     "Released",
     "SecretBackend",

@@ -128,6 +128,7 @@ class Kbs:
     policies: SecretPolicies
     url: str
     bundle: bytes
+    service: KbsService
 
     def client(self) -> KbsClient:
         return KbsClient(self.url, self.bundle)
@@ -190,7 +191,7 @@ async def kbs(tmp_path: Path) -> AsyncIterator[Kbs]:
             await site.start()
             try:
                 url = f"https://127.0.0.1:{runner.addresses[0][1]}"
-                yield Kbs(plane, bao, policies, url, plane.ca.bundle_pem)
+                yield Kbs(plane, bao, policies, url, plane.ca.bundle_pem, service)
             finally:
                 await runner.cleanup()
                 await plane.cp.flushed()
@@ -305,3 +306,20 @@ async def test_protocol_misuse_is_refused(kbs: Kbs) -> None:
     finally:
         await c.close()
     assert (bad_version, bad_tee, not_configured, weak, replay) == (400, 400, 400, 400, 401)
+
+
+async def test_an_attested_session_looping_on_reads_is_limited(kbs: Kbs) -> None:
+    from attestmesh.controlplane import AttestationLimiter
+
+    kbs.service._limiter = AttestationLimiter(burst=2, refill=timedelta(hours=1))
+    c = kbs.client()
+    try:
+        assert await c.attested("web-1") == 200
+        statuses = [(await c.resource("default/key/web"))[0] for _ in range(4)]
+    finally:
+        await c.close()
+    assert statuses == [200, 200, 429, 429]
+    assert kbs.sample("refused", "too_many_requests") == 2
+    assert [e.kind for e in kbs.plane.cp.events("web-1") if e.code == "kbs"] == [
+        EventKind.SECRET_RELEASED
+    ] * 2

@@ -400,6 +400,24 @@ async def test_approle_login_and_a_refused_token(mesh: Mesh) -> None:
         assert secret_id not in shown and PASSWORD_V1 not in shown and "not-a-token" not in shown
 
 
+async def test_a_workload_looping_on_requests_is_limited_before_anything_is_read(
+    mesh: Mesh,
+) -> None:
+    from attestmesh.controlplane import AttestationLimiter
+
+    mesh.service._limiter = AttestationLimiter(burst=3, refill=timedelta(hours=1))
+    _, fetcher = await _attested(mesh, "web-1")
+    async with aiohttp.ClientSession() as session:
+        for _ in range(5):
+            await fetcher.fetch_all(session)
+    assert fetcher.last_error["db"].reason == "too_many_requests"
+    assert fetcher.last_error["db"].status == 429
+    assert fetcher.held["db"].version == 1  # kept: a 429 is not a revocation
+    assert mesh.sample("released", "ok") == 1 and mesh.sample("unchanged", "ok") == 2
+    assert mesh.sample("refused", "too_many_requests") == 2
+    assert mesh.events("web-1", EventKind.SECRET_REFUSED) == []  # counted, never recorded
+
+
 async def test_fetcher_run_loop_picks_up_rotation(mesh: Mesh) -> None:
     agent, fetcher, _ = mesh.agent("web-1")
     fetcher._poll_s = 0.2
