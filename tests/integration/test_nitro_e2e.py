@@ -128,7 +128,7 @@ class Mesh:
             "--inbound-listen", "127.0.0.1", "--envoy-admin-port", str(p["admin"]),
             "--ready-host", "127.0.0.1", "--ready-port", str(p["ready"]),
             "--nitro-cli", self.nitro_cli(), "--transport", f"unix:{self.vsock}",
-            "--backoff-initial", "0.2", "--boot-timeout", "30", "--grace", "10",
+            "--backoff-initial", "0.2", "--boot-timeout", "60", "--grace", "10",
         ]  # fmt: skip
         with log.open("ab") as f:
             proc = subprocess.Popen(args, stdout=f, stderr=f, stdin=subprocess.DEVNULL, cwd=REPO)
@@ -319,7 +319,7 @@ async def test_enclave_attests_serves_mtls_both_ways_and_is_restarted(tmp_path: 
             status, view = await parent.readyz(m.session)
             return view if status == 200 else None
 
-        first = await eventually(ready, "the enclave attested (parent /readyz)", 60)
+        first = await eventually(ready, "the enclave attested (parent /readyz)", 120)
         assert first["attested"] and first["running"] and first["restarts"] == 0
         # sized from the grant: all of it, as nitro-cli was told
         run = [c for c in m.calls() if c[0] == "run-enclave"]
@@ -334,7 +334,7 @@ async def test_enclave_attests_serves_mtls_both_ways_and_is_restarted(tmp_path: 
             return await m.get(to_enclave, "/hello") == (200, "hello from the enclave")
 
         # peer -> peer's Envoy -mTLS-> parent -> vsock -> enclave's Envoy -> app
-        await eventually(hello, "peer -> enclave over mTLS", 30)
+        await eventually(hello, "peer -> enclave over mTLS", 60)
         # ... and the enclave's app -> its Envoy -> vsock -> parent -mTLS-> peer's Envoy -> peer
         status, body = await m.get(to_enclave, "/call")
         assert (status, body) == (200, "enclave called peer: 200 hello from peer"), body
@@ -351,12 +351,12 @@ async def test_enclave_attests_serves_mtls_both_ways_and_is_restarted(tmp_path: 
             status, view = await parent.readyz(m.session)
             return view if status == 200 and view["enclave_id"] != enclave_id else None
 
-        second = await eventually(restarted, "a restarted, re-attested enclave", 60)
+        second = await eventually(restarted, "a restarted, re-attested enclave", 120)
         assert second["restarts"] == 1 and second["serial"] != first["serial"]
         assert await m.metric('attestmesh_attestations_total{reason="ok",result="admitted",'
                               'tee="nitro"}') == 2  # fmt: skip
         assert not alive(first_enclave["pid"])
-        await eventually(hello, "peer -> restarted enclave over mTLS", 30)
+        await eventually(hello, "peer -> restarted enclave over mTLS", 60)
         assert (await m.get(to_enclave, "/call"))[0] == 200
 
         # SIGTERM: the parent terminates the enclave within its grace period and exits 0
@@ -381,13 +381,13 @@ async def test_enclave_with_wrong_pcrs_is_refused_and_a_swapped_image_quarantine
             status, view = await parent.readyz(m.session)
             return view if status == 200 else None
 
-        first = await eventually(ready, "the good enclave attested", 60)
+        first = await eventually(ready, "the good enclave attested", 120)
 
         # 1. an enclave whose PCRs the policy does not list gets no certificate, ever
         async def refused() -> bool:
             return await m.metric(rejected) >= 1
 
-        await eventually(refused, "the rogue enclave's evidence refused", 60)
+        await eventually(refused, "the rogue enclave's evidence refused", 120)
         status, view = await rogue.readyz(m.session)
         assert status == 503 and view["running"] and not view["attested"]
 
@@ -396,7 +396,7 @@ async def test_enclave_with_wrong_pcrs_is_refused_and_a_swapped_image_quarantine
         async def hello() -> bool:
             return await m.get(to_enclave, "/hello") == (200, "hello from the enclave")
 
-        await eventually(hello, "peer -> enclave over mTLS", 30)
+        await eventually(hello, "peer -> enclave over mTLS", 60)
 
         # 2. the attested workload's image is swapped on the node; its enclave restarts from
         #    it: the appraisal fails, and the workload is quarantined (traffic cut)
@@ -409,7 +409,7 @@ async def test_enclave_with_wrong_pcrs_is_refused_and_a_swapped_image_quarantine
         async def quarantined() -> bool:
             return await m.metric("attestmesh_quarantined_workloads") == 1
 
-        await eventually(quarantined, "the swapped enclave quarantined", 60)
+        await eventually(quarantined, "the swapped enclave quarantined", 120)
         out = cli("quarantine", "list", "--json", "--ops-port", str(m.settings.ops_port),
                   "--state-dir", str(m.settings.state_dir))  # fmt: skip
         assert out.returncode == 0, out.stderr
@@ -421,7 +421,7 @@ async def test_enclave_with_wrong_pcrs_is_refused_and_a_swapped_image_quarantine
         async def cut() -> bool:
             return (await m.get(to_enclave, "/hello"))[0] != 200
 
-        await eventually(cut, "peer -> quarantined enclave refused", 15)
+        await eventually(cut, "peer -> quarantined enclave refused", 30)
         status, view = await parent.readyz(m.session)
         assert status == 503 and view["enclave_id"] != enclave_id and not view["attested"]
         assert await m.metric(rejected) >= 2
