@@ -217,6 +217,8 @@ def run_nitro_parent(args: argparse.Namespace) -> int:
         envoy_admin_port=args.envoy_admin_port,
     )
     check_config(config)  # a bad flag fails here, not in every enclave boot
+    if not args.eif.is_file():
+        raise AttestmeshError("usage", f"{args.eif}: no enclave image file")
     settings = ParentSettings(
         run_args=tuple(run_enclave_args(args.eif, size, cid=args.enclave_cid)),
         config=config,

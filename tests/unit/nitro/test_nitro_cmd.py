@@ -51,6 +51,8 @@ def test_bad_flags_fail_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "bad_routes: route peer-0: 'nohostport' is not host:port" in capsys.readouterr().err
     assert main(parent(tmp_path, "--control-plane", "http://127.0.0.1:8443")) == 2
     assert "is not https" in capsys.readouterr().err
+    assert main(parent(tmp_path)) == 2
+    assert "app.eif: no enclave image file" in capsys.readouterr().err
     (tmp_path / "hugetlb.1GB.max").write_text("garbage")
     assert main(parent(tmp_path)) == 2
     assert "hugetlb.1GB.max is 'garbage'" in capsys.readouterr().err
