@@ -365,6 +365,17 @@ async def run_enclave_init(s: EnclaveInitSettings, stop: asyncio.Event) -> int:
     return code
 
 
+def envoy_xds_address(cfg: EnclaveConfig) -> tuple[str, int]:
+    """Where the enclave's Envoy connects for ADS: the loopback listener of the xDS route (a
+    hostname is not resolved: Envoy's resolver need not read the hosts file, and its xDS TLS
+    checks the control plane's SPIFFE ID, not a host name)."""
+    host, port = parse_host_port(cfg.xds)
+    for route in cfg.routes:
+        if (route.host, route.port) == (host, port):
+            return route.listen_host, route.port
+    return host, port
+
+
 Spawn = Callable[[str, Sequence[str]], Awaitable[asyncio.subprocess.Process]]
 
 
@@ -375,10 +386,9 @@ async def _start_envoy(
     from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap
     from sidecar.envoy_proc import envoy_command
 
-    host, port = parse_host_port(cfg.xds)
     boot = build_bootstrap(
         cfg.workload,
-        ControlPlaneAddress(host, port),
+        ControlPlaneAddress(*envoy_xds_address(cfg)),
         sds,
         cfg.envoy_admin_port,
         xds_tls=XdsTls(ca, control_plane_spiffe_id(cfg.trust_domain)),

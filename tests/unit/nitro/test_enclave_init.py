@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from sidecar.nitro.config import CONTROL_PORT, INBOUND_PORT, EnclaveConfig, Rout
 from sidecar.nitro.enclave_init import (
     EnclaveInitSettings,
     agent_command,
+    envoy_xds_address,
     extra_addresses,
     hosts_lines,
     ifreq_address,
@@ -58,6 +60,9 @@ def test_ifreq_layout() -> None:
 
 def test_addresses_hosts_and_agent_command(tmp_path: Path) -> None:
     assert extra_addresses(CFG) == ["10.0.0.5", "10.0.0.7"]  # not 127.0.0.1 (loopback)
+    named = replace(CFG, routes=(*CFG.routes, Route("xds", "cp.svc", 18000, 50003)))
+    assert envoy_xds_address(named) == ("127.0.0.1", 18000)  # the route's loopback listener
+    assert envoy_xds_address(replace(CFG, xds="10.0.0.9:18000")) == ("10.0.0.9", 18000)
     assert hosts_lines(CFG.routes) == ["127.0.0.1 cp.svc"]
     s = EnclaveInitSettings(UnixTransport(tmp_path, 16), (), tmp_path, nsm_device="/dev/nsm",
                             attestmesh_command=("attestmesh",))  # fmt: skip
