@@ -7,6 +7,7 @@ re-attesting."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import urllib.parse
@@ -404,3 +405,18 @@ def _amd_crl_at(amd: Any, revoked: tuple[int, ...], now: datetime) -> bytes:
     return builder.sign(amd.ark_key, hashes.SHA384(), rsa_padding=amd.PSS).public_bytes(
         Encoding.DER
     )
+
+
+async def test_the_monitor_loop_refreshes_and_stops(quarantining: Env) -> None:
+    env = quarantining
+    await env.attest("web-1")
+    stop = asyncio.Event()
+    task = asyncio.create_task(env.monitor.run(stop))
+    for _ in range(100):  # the first refresh runs at once
+        if sum(env.pcs.hits.values()) >= 4:
+            break
+        await asyncio.sleep(0.02)
+    assert sum(env.pcs.hits.values()) == 4
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert task.done() and task.exception() is None
