@@ -143,9 +143,16 @@ def _controlplane(args: argparse.Namespace) -> int:
         hooks: Hooks | None = None
         if kube_settings is not None:
             from attestmesh.kube_mode import KubeMode, connect
+            from certs.secrets_api import SecretPolicies
 
             kube = connect(args.kubeconfig, kube_settings.request_timeout)
-            hooks = KubeMode(kube, kube_settings, metrics, state_dir=settings.state_dir).hooks()
+            hooks = KubeMode(
+                kube,
+                kube_settings,
+                metrics,
+                state_dir=settings.state_dir,
+                secret_policies=SecretPolicies() if settings.secrets is not None else None,
+            ).hooks()
         # SIGTERM (a pod's deletion) shuts down cleanly: the leader hands its Lease over
         # instead of leaving the other replicas to wait for it to expire
         import signal

@@ -60,6 +60,7 @@ from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import AttestmeshError, PolicyError
 from certs.issuance import IdentityError
 from certs.policy import AttestationPolicy, Mode, OnFailure, policies_for
+from certs.secrets_api import SecretPolicies
 from sidecar.inject import (
     LABEL_INJECT,
     TRUST_CONFIGMAP,
@@ -87,6 +88,7 @@ from xds.kube import (
 )
 from xds.meshpolicy import MeshPolicy
 from xds.publisher import XdsPublisher
+from xds.secretpolicy import SecretPolicy
 from xds.state import Event, EventKind, MeshState, Registration, Trigger
 
 log = logging.getLogger(__name__)
@@ -287,9 +289,11 @@ class KubeMode:
         metrics: Metrics,
         *,
         state_dir: Path,
+        secret_policies: SecretPolicies | None = None,
     ) -> None:
         self.kube, self.settings, self.metrics = kube, settings, metrics
         self.state_dir = state_dir
+        self.secret_policies = secret_policies  # secret release on: fed from SecretPolicy CRs
         self.kube_metrics = KubeMetrics(metrics.registry)
         self.namespaces = NamespaceLabels()
         self.elector = LeaderElector(
@@ -317,6 +321,7 @@ class KubeMode:
                 on_removed=self._on_removed,
                 on_policy_documents=self._on_policy_documents,
                 on_injected_pod=self._on_injected_pod,
+                on_secret_policies=self._on_secret_policies if secret_policies else None,
             ),
             is_leader=lambda: self.elector.is_leader,
             metrics=self.kube_metrics,
@@ -356,7 +361,12 @@ class KubeMode:
         return () if self._cp is None else self._cp.policies
 
     def hooks(self) -> Hooks:
-        return Hooks(identity=self.identity, wrap_publisher=self._wrap, run=self.run)
+        return Hooks(
+            identity=self.identity,
+            wrap_publisher=self._wrap,
+            run=self.run,
+            secret_policies=self.secret_policies,
+        )
 
     def _wrap(self, inner: XdsPublisher) -> Publisher:
         return KubePublisher(inner, self)
@@ -387,6 +397,11 @@ class KubeMode:
 
     async def _on_mesh_policies(self, policies: list[MeshPolicy]) -> None:
         self.cp.set_mesh_policies(policies)
+
+    async def _on_secret_policies(self, policies: list[SecretPolicy]) -> None:
+        if self.secret_policies is not None:
+            kept = self.secret_policies.set_policies(policies)
+            log.info("secret policies in force: %s", [f"{p.namespace}/{p.name}" for p in kept])
 
     async def _on_registration(self, reg: Registration) -> None:
         current = self.cp.state.workloads.get(reg.name)

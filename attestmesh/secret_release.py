@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SecretReleaseSettings:
-    policy_file: Path
+    policy_file: Path | None  # None: SecretPolicy CRs (Kubernetes mode)
     openbao_url: str
     port: int = 8444
     token_file: Path | None = None  # exactly one of token_file, approle
@@ -88,8 +88,13 @@ def add_arguments(parser: Any) -> None:
 
 
 def settings_from_args(args: Any) -> SecretReleaseSettings | None:
-    if args.secret_policy is None:
+    """Local mode: on with ``--secret-policy``. Kubernetes mode: on with ``--openbao-url``, the
+    policies then come from SecretPolicy resources."""
+    kubernetes = bool(getattr(args, "kubernetes", False))
+    if args.secret_policy is None and not (kubernetes and args.openbao_url):
         return None
+    if args.secret_policy is not None and kubernetes:
+        raise AttestmeshError("usage", "in --kubernetes mode SecretPolicies are resources")
     if not args.openbao_url:
         raise AttestmeshError("usage", "--secret-policy needs --openbao-url")
     role, secret = args.openbao_approle_role_id_file, args.openbao_approle_secret_id_file
@@ -317,7 +322,8 @@ async def start_kbs(
 async def watch(
     s: SecretReleaseSettings, policies: SecretPolicies, metrics: Metrics, stop: asyncio.Event
 ) -> None:
-    await watch_secret_policies(policies, s.policy_file, s.poll, stop)
+    if s.policy_file is not None:
+        await watch_secret_policies(policies, s.policy_file, s.poll, stop)
 
 
 __all__ = [

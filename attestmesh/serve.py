@@ -59,6 +59,7 @@ from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.keystore import open_key_store
 from certs.policy import parse_policies
+from certs.secrets_api import SecretPolicies
 from sidecar.agent import EvidenceSource
 from xds.cache import SnapshotCache
 from xds.meshpolicy import parse_mesh_policies
@@ -129,6 +130,8 @@ class Hooks:
     identity: IdentityCheck | None = None
     wrap_publisher: Callable[[XdsPublisher], Publisher] | None = None
     run: Callable[[ControlPlane, asyncio.Event], Coroutine[Any, Any, None]] | None = None
+    # secret release in Kubernetes mode: the SecretPolicies its CR watcher keeps current
+    secret_policies: SecretPolicies | None = None
 
 
 SERVER_CERT_TTL = timedelta(hours=24)
@@ -603,7 +606,12 @@ async def run_control_plane(
         secret_policies = None
         if settings.secrets is not None:  # refused before any state is opened
             settings.secrets.check()
-            secret_policies = secret_release.load_secret_policies(settings.secrets.policy_file)
+            if hooks is not None and hooks.secret_policies is not None:
+                secret_policies = hooks.secret_policies  # SecretPolicy CRs (Kubernetes mode)
+            elif settings.secrets.policy_file is not None:
+                secret_policies = secret_release.load_secret_policies(settings.secrets.policy_file)
+            else:
+                raise AttestmeshError("usage", "secret release needs --secret-policy")
         sources = build_collateral_sources(settings, session)
         cp, publisher, store = build_control_plane(settings, metrics, cache, sources, hooks)
         # continuous TCB re-evaluation over the online collateral (none: nothing to watch)
@@ -677,7 +685,7 @@ async def run_control_plane(
                 tg.create_task(_policy_watch(cp, settings, stop))
                 if tcb is not None:
                     tg.create_task(tcb.run(stop))
-                if settings.secrets is not None and secret_policies is not None:
+                if secret_policies is not None and settings.secrets is not None:
                     tg.create_task(
                         secret_release.watch(settings.secrets, secret_policies, metrics, stop)
                     )

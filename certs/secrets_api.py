@@ -114,6 +114,31 @@ class SecretPolicies:
         self._policies = parse_secret_policies(docs)  # PolicyError leaves the old ones
         return self._policies
 
+    def set_policies(self, policies: Sequence[SecretPolicy]) -> tuple[SecretPolicy, ...]:
+        """Policies parsed one by one (SecretPolicy resources): the cross-policy rules apply
+        here. In (namespace, name) order, a policy naming a secret or a KBS resource another
+        one kept already is left out, logged (its own Accepted condition cannot say it)."""
+        kept: list[SecretPolicy] = []
+        refs: set[str] = set()
+        resources: set[str] = set()
+        for p in sorted(policies, key=lambda p: (p.namespace, p.name)):
+            mine = {f"{p.namespace}/{n}" for n in p.secrets}
+            kbs = {s.kbs_resource for s in p.secrets.values() if s.kbs_resource is not None}
+            if mine & refs or kbs & resources:
+                log.error(
+                    "SecretPolicy %s/%s left out: it names a secret or KBS resource that "
+                    "another policy defines (%s)",
+                    p.namespace,
+                    p.name,
+                    sorted((mine & refs) | (kbs & resources)),
+                )
+                continue
+            refs |= mine
+            resources |= kbs
+            kept.append(p)
+        self._policies = tuple(kept)
+        return self._policies
+
 
 @dataclass(frozen=True, slots=True)
 class Released:

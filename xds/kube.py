@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from certs.errors import AttestmeshError, PolicyError
 from certs.policy import AttestationPolicy, parse_policies
 from xds.meshpolicy import MeshPolicy, parse_mesh_policies
+from xds.secretpolicy import SecretPolicy, parse_secret_policies
 from xds.state import Endpoint, MeshState, Registration, Status, Trigger
 
 log = logging.getLogger(__name__)
@@ -395,6 +396,10 @@ def parse_attestation_policy(docs: list[Any]) -> Sequence[AttestationPolicy]:
 
 def parse_mesh_policy(docs: list[Any]) -> Sequence[MeshPolicy]:
     return parse_mesh_policies(docs)
+
+
+def parse_secret_policy(docs: list[Any]) -> Sequence[SecretPolicy]:
+    return parse_secret_policies(docs)
 
 
 def _condition_reason(trigger: Trigger) -> str:
@@ -993,6 +998,9 @@ class SourceCallbacks:
     # A pod carrying the injected annotation was listed or changed (its namespace), whether or
     # not it is registered yet: it may still wait for volumes (the trust bundle) to start.
     on_injected_pod: Callable[[str], Awaitable[None]] | None = None
+    # Secret release is on: SecretPolicy CRs are watched (the CRD may be missing: none then)
+    # and the policies in force handed over whole on every change.
+    on_secret_policies: Callable[[list[SecretPolicy]], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -1036,6 +1044,10 @@ class KubeSource:
             ),
             "MeshPolicy": _CrKind("MeshPolicy", "meshpolicies", parse_mesh_policy),
         }
+        if callbacks.on_secret_policies is not None:
+            self.kinds["SecretPolicy"] = _CrKind(
+                "SecretPolicy", "secretpolicies", parse_secret_policy
+            )
         self.pods: dict[str, Registration] = {}
         self._pod_objects: dict[str, dict[str, Any]] = {}  # of the pods in ``pods``
         self.services: dict[str, dict[str, ServiceSelector]] = {}
@@ -1058,6 +1070,7 @@ class KubeSource:
                     (GROUP, VERSION, k.plural),
                     self._cr_snapshot(k),
                     self._cr_event(k),
+                    optional=k.kind == "SecretPolicy",  # its CRD is installed with the feature
                 )
             )
         self._inputs = (
@@ -1149,6 +1162,9 @@ class KubeSource:
                 await self.cb.on_policy_documents([k.docs[key] for key in sorted(k.docs)])
             elif k.kind == "AttestationPolicy":
                 await self.cb.on_policies(values)
+            elif k.kind == "SecretPolicy":
+                if self.cb.on_secret_policies is not None:
+                    await self.cb.on_secret_policies(values)
             else:
                 await self.cb.on_mesh_policies(values)
         if not self.is_leader():

@@ -294,6 +294,12 @@ def _parse_secret(raw: Any, where: str, problems: list[str]) -> SecretSpec | Non
     return SecretSpec(name, source, kbs)
 
 
+def _shown(value: Any) -> str:
+    """A bounded rendering of a bad value for a problem message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _parse_claims(raw: Any, where: str, problems: list[str]) -> ClaimsRequirement | None:
     if not isinstance(raw, dict) or not raw or set(raw) - {"tees", "measurements", "tcbStatuses"}:
         problems.append(f"{where}: an object with tees, measurements and/or tcbStatuses")
@@ -305,14 +311,17 @@ def _parse_claims(raw: Any, where: str, problems: list[str]) -> ClaimsRequiremen
         or (not tees and "tees" in raw)
         or not all(isinstance(t, str) and t in valid_tees for t in tees)
     ):
-        problems.append(f"{where}.tees: a non-empty list of {sorted(valid_tees)}")
+        problems.append(
+            f"{where}.tees: a non-empty list of {sorted(valid_tees)}, not {_shown(tees)}"
+        )
         tees = []
     if (
         not isinstance(statuses, list)
         or (not statuses and "tcbStatuses" in raw)
         or not all(isinstance(s, str) and s in valid_status for s in statuses)
     ):
-        problems.append(f"{where}.tcbStatuses: a non-empty list of {sorted(valid_status)}")
+        valid = sorted(valid_status)
+        problems.append(f"{where}.tcbStatuses: a non-empty list of {valid}, not {_shown(statuses)}")
         statuses = []
     ms: list[tuple[str, frozenset[str]]] = []
     raw_ms = raw.get("measurements", {})
