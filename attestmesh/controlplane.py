@@ -130,6 +130,14 @@ class Replication(Protocol):
 
     def is_leader(self) -> bool: ...
 
+    def in_contact(self) -> bool:
+        """The database answered within the last few seconds (else: issue nothing)."""
+        ...
+
+    def load_state(self) -> MeshState:
+        """Everything durable now (blocking; after a failed write, to recover)."""
+        ...
+
     def ca_rotated(self, ca: CertificateAuthority) -> None:
         """The leader persisted a rotation step: store it for the other replicas."""
         ...
@@ -500,6 +508,40 @@ class ControlPlane:
     def healthy(self) -> bool:
         return self._store_failed is None
 
+    @property
+    def ready(self) -> bool:
+        """Healthy and, with several replicas, in contact with the database (/readyz)."""
+        return self.healthy and (self._replication is None or self._replication.in_contact())
+
+    async def recover_store(self) -> bool:
+        """After a failed write (the database restarted, say), with several replicas: once
+        the database answers again, what is durable becomes this replica's view (decisions
+        it made that never became durable are dropped, like at a restart) and it decides
+        again. True if it recovered now."""
+        if self._store_failed is None or self._replication is None:
+            return False
+        try:
+            state = await asyncio.to_thread(self._replication.load_state)
+        except AttestmeshError as exc:
+            log.warning("the state store is still unavailable: %s", exc)
+            return False
+        mine = self._state
+        rows: dict[str, WorkloadState | None] = {
+            n: w for n, w in state.workloads.items() if mine.workloads.get(n) != w
+        }
+        rows.update((n, None) for n in mine.workloads if n not in state.workloads)
+        stored = {r.serial for r in state.revocations}
+        self._inflight.clear()
+        self.adopt_rows(
+            rows,
+            state.revocations,
+            frozenset(r.serial for r in mine.revocations if r.serial not in stored),
+        )
+        self._store_failed = None
+        self._last_write = None
+        log.warning("state store recovered: %d rows reloaded, deciding again", len(rows))
+        return True
+
     def _republish(self) -> None:
         """The trust material or mesh policies changed (not the workloads): announce now;
         nothing to persist (both are rebuilt from durable inputs on start)."""
@@ -553,6 +595,10 @@ class ControlPlane:
         self._nonces.consume(req.nonce, now)
         ensure_may_issue(self._state, req.workload)
         self._limiter.take(req.workload, now)
+        if self._replication is not None and not self._replication.in_contact():
+            raise StoreUnavailableError(  # fail closed: another replica may have decided
+                "store_unavailable", "this replica is cut off from the database; retry"
+            )
         reg = w.registration
         governing = policies_for(self._policies, reg.namespace, reg.service_account, reg.labels)
         interval = min((p.reattestation_interval for p in governing), default=DEFAULT_REATTESTATION)

@@ -8,11 +8,17 @@ directory and loads it (a follower, when its change feed says the CA changed).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from certs.ca import CertificateAuthority
-from xds.store_pg import Leadership, download_ca, publish_ca
+from xds.state import MeshState
+from xds.store_pg import ChangeFeed, Leadership, PostgresStore, download_ca, publish_ca
+
+# a replica whose database has not answered for this long issues nothing and is not ready
+# (the change feed reads every 0.5 s while connected; the budget to stop issuing is 5 s)
+CONTACT_SECONDS = 3.0
 
 __all__ = ["PgReplication"]
 
@@ -22,16 +28,20 @@ class PgReplication:
         self,
         url: str,
         ca_dir: Path,
-        origin: str,
+        feed: ChangeFeed,
         load: Callable[[], CertificateAuthority],
         *,
         leadership: Leadership | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``load``: the CA from ``ca_dir`` (with this replica's key store)."""
+        """``feed``: this replica's change feed (its reads say the database is reachable);
+        ``load``: the CA from ``ca_dir`` (with this replica's key store)."""
         self.url = url
         self.ca_dir = ca_dir
-        self.origin = origin
+        self.feed = feed
+        self.origin = feed.origin
         self._load = load
+        self._monotonic = monotonic
         self.leadership = leadership or Leadership(url)
 
     def start(self) -> PgReplication:
@@ -43,6 +53,18 @@ class PgReplication:
 
     def is_leader(self) -> bool:
         return self.leadership.is_leader
+
+    def in_contact(self) -> bool:
+        return self.feed.connected and (
+            self._monotonic() - self.feed.last_contact <= CONTACT_SECONDS
+        )
+
+    def load_state(self) -> MeshState:
+        store = PostgresStore(self.url)
+        try:
+            return store.load(self.feed.trust_domain)
+        finally:
+            store.close()
 
     def ca_rotated(self, ca: CertificateAuthority) -> None:
         publish_ca(self.url, self.ca_dir, self.origin)

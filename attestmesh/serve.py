@@ -328,7 +328,7 @@ def build_control_plane(
     )
     replication = None
     if feed is not None and settings.store is not None:  # one leader (CA rotation), one CA
-        replication = PgReplication(settings.store, settings.state_dir / "ca", feed.origin, load_ca)
+        replication = PgReplication(settings.store, settings.state_dir / "ca", feed, load_ca)
     publisher = XdsPublisher(
         cache, defer=lambda fanout: loop.call_later(TRUST_FANOUT_DELAY.total_seconds(), fanout)
     )
@@ -473,6 +473,13 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Applica
             return web.json_response({"status": "store_failed"}, status=503)
         return web.json_response({"status": "ok"})
 
+    async def readyz(request: web.Request) -> web.Response:
+        if not cp.healthy:
+            return web.json_response({"status": "store_failed"}, status=503)
+        if not cp.ready:  # several replicas: cut off from the database, issuing nothing
+            return web.json_response({"status": "store_unreachable"}, status=503)
+        return web.json_response({"status": "ok"})
+
     def workload_json(name: str) -> dict[str, Any]:
         w = cp.state.get(name)
         q = w.quarantine
@@ -538,7 +545,7 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Applica
     app = web.Application(middlewares=[ops_guard(token)], client_max_size=64 * 1024)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/v1/admin/workloads", workloads)
     app.router.add_post("/v1/admin/workloads/{name}/quarantine", quarantine)
     app.router.add_post("/v1/admin/workloads/{name}/release", release)
@@ -579,6 +586,7 @@ async def _deadlines(cp: ControlPlane, settings: ControlPlaneSettings, stop: asy
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), settings.deadline_check.total_seconds())
         cp.check_deadlines()
+        await cp.recover_store()  # several replicas: after a failed write, once it is back
 
 
 @dataclass

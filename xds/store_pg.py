@@ -100,6 +100,15 @@ CA_FILES = (
 )
 DEFAULT_MAX_CHANGES = 100_000
 CONNECT_TIMEOUT_SECONDS = 5
+# a connection whose server went silent (cut off, not closed) fails within ~5 s instead of
+# waiting for TCP's retransmissions (minutes): unacknowledged data, and idle keepalives
+LIVENESS: dict[str, Any] = {
+    "tcp_user_timeout": 5000,
+    "keepalives": 1,
+    "keepalives_idle": 3,
+    "keepalives_interval": 1,
+    "keepalives_count": 2,
+}
 
 PG_MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -127,6 +136,13 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         3,
         "the mesh CA every replica signs with (one trust): its files, as the CA directory holds",
         ("CREATE TABLE ca_files (name text PRIMARY KEY, data bytea NOT NULL)",),
+    ),
+    Migration(
+        4,
+        "workload documents may carry a deferred TCB quarantine (tcb_deferral: its deadline); "
+        "no DDL: the version keeps older code, which would drop the field when it rewrites a "
+        "row, from opening the database",
+        (),
     ),
 )
 PG_SCHEMA_VERSION = PG_MIGRATIONS[-1].version
@@ -158,6 +174,7 @@ def _connect(url: str) -> psycopg.Connection[Any]:
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_SECONDS,
             application_name="attestmesh-controlplane",
+            **LIVENESS,
         )
     except psycopg.Error as exc:
         raise StoreError(
@@ -612,6 +629,7 @@ class ChangeFeed:
                     autocommit=True,
                     connect_timeout=CONNECT_TIMEOUT_SECONDS,
                     application_name="attestmesh-changefeed",
+                    **LIVENESS,
                 ) as conn:
                     conn.execute(f"LISTEN {CHANNEL}".encode())
                     self.connected = True
@@ -833,10 +851,7 @@ class Leadership:
                     autocommit=True,
                     connect_timeout=CONNECT_TIMEOUT_SECONDS,
                     application_name=f"attestmesh-leader {os.getpid()}",
-                    keepalives=1,
-                    keepalives_idle=5,
-                    keepalives_interval=2,
-                    keepalives_count=3,
+                    **LIVENESS,
                 ) as conn:
                     for setting in ("tcp_keepalives_idle = 5", "tcp_keepalives_interval = 2",
                                     "tcp_keepalives_count = 3"):  # fmt: skip

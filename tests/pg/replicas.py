@@ -75,7 +75,7 @@ class Replica:
             assert feed is not None
             share_ca(url, ca_dir, load)
             self.replication = PgReplication(
-                url, ca_dir, feed.origin, load, leadership=Leadership(url, interval_seconds=0.2)
+                url, ca_dir, feed, load, leadership=Leadership(url, interval_seconds=0.2)
             )
         self.cp = ControlPlane(
             state=state,
