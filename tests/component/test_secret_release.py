@@ -436,3 +436,28 @@ async def test_fetcher_run_loop_picks_up_rotation(mesh: Mesh) -> None:
         stop.set()
         await task
     assert _files(fetcher, mesh, "web-1") == {"password": PASSWORD_V2}
+
+
+async def test_the_local_socket_serves_what_is_held_mode_0600(mesh: Mesh) -> None:
+    from sidecar.secrets import start_socket
+
+    _, fetcher = await _attested(mesh, "web-1")
+    sock = mesh.tmp / "secrets.sock"
+    runner = await start_socket(fetcher, sock)
+    try:
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        connector = aiohttp.UnixConnector(path=str(sock))
+        async with aiohttp.ClientSession(connector=connector) as local:
+            async with local.get("http://agent/v1/secrets/db") as r:
+                assert r.status == 404  # nothing fetched yet
+            async with aiohttp.ClientSession() as session:
+                await fetcher.fetch_all(session)
+            async with local.get("http://agent/v1/secrets/db") as r:
+                body = await r.json()
+        assert body == {
+            "secret": "default/db",
+            "version": 1,
+            "data": {"password": PASSWORD_V1, "user": "app"},
+        }
+    finally:
+        await runner.cleanup()
