@@ -21,7 +21,7 @@ from typing import Protocol
 from cryptography import x509
 
 from attestmesh.metrics import Metrics
-from attestmesh.tcb_monitor import TcbGraceBook
+from attestmesh.tcb_monitor import TcbGraceBook, deferrals_to_drop
 from certs.ca import (
     CertificateAuthority,
     Issuer,
@@ -64,6 +64,7 @@ from xds.state import (
     Registration,
     Revocation,
     Status,
+    TcbDeferral,
     Trigger,
     WorkloadState,
     ensure_may_issue,
@@ -72,6 +73,7 @@ from xds.state import (
     record_attestation,
     register_all,
     release,
+    set_tcb_deferrals,
     unregister,
     withdraw,
 )
@@ -248,6 +250,7 @@ class ControlPlane:
         self._inflight: dict[str, int] = {}  # name -> this replica's batches not yet resolved
         self._pruned_at: datetime | None = None
         self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
+        self._tcb_grace.track(state, state.workloads)  # their deadlines are in the rows
         self._listeners: list[Callable[[MeshState, Collection[str]], None]] = []
         self._quarantined = sum(w.status is Status.QUARANTINED for w in state.workloads.values())
         self._due: list[tuple[datetime, str]] = [
@@ -779,16 +782,35 @@ class ControlPlane:
         """Act on re-appraisal after a TCB change, per policy ``onTcbChange``: audit events
         (one batch), quarantines now (one transition) or after the grace period
         (``check_deadlines``). ``admitted``: workloads admitted again, whose deferred
-        quarantine is dropped. Findings about a workload that re-attested since are ignored."""
+        quarantine is dropped. Findings about a workload that re-attested since are ignored.
+        A deferral is written into the workload's row (its deadline survives a restart and
+        holds on every replica)."""
         now = self._clock()
-        for _ in range(self._tcb_grace.clear(admitted)):
-            self._metrics.tcb_reappraisals.labels("admitted").inc()
-        quarantines, events, counts = self._tcb_grace.decide(findings, self._state, now)
+        dropped = deferrals_to_drop(self._state, admitted)
+        if dropped:
+            self._metrics.tcb_reappraisals.labels("admitted").inc(len(dropped))
+        quarantines, events, counts, deferrals = self._tcb_grace.decide(findings, self._state, now)
         for outcome, n in counts.items():
             self._metrics.tcb_reappraisals.labels(outcome).inc(n)
-        if events:
-            self._apply(self._state, events, ())
+        self._record_deferrals({**dropped, **deferrals}, events)
         return self._quarantine_all(quarantines)
+
+    def _record_deferrals(
+        self, changes: Mapping[str, TcbDeferral | None], events: Sequence[Event], attempt: int = 0
+    ) -> None:
+        """Write deferred TCB quarantines (None: drop one) and their events in one batch. If
+        another replica changed one of those rows first, decide again on the stored rows (a
+        deferral about evidence that is no longer current is not recorded)."""
+        state, changed = set_tcb_deferrals(self._state, changes)
+        if not changed and not events:
+            return
+
+        def again() -> object:
+            keep = [e for e in events if e.workload not in changes or e.workload in changed]
+            self._record_deferrals(changes, keep, attempt + 1)
+            return None
+
+        self._apply(state, events, changed, again if attempt < QUARANTINE_RETRIES else None)
 
     def check_deadlines(self) -> list[str]:
         """Quarantine attested workloads that missed their re-attestation deadline, and those
@@ -828,6 +850,7 @@ class ControlPlane:
         return sorted(late)
 
     def _track_deadline(self, name: str) -> None:
+        self._tcb_grace.track(self._state, (name,))
         w = self._state.workloads.get(name)
         if w is not None and w.status is Status.ATTESTED and w.next_attestation_due is not None:
             heapq.heappush(self._due, (w.next_attestation_due, name))

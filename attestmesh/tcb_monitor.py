@@ -13,7 +13,8 @@ a quarantine (after ``tcbChangeGracePeriod``, unless the workload re-attested in
 Collateral that cannot be fetched (vendor down, nothing cached) or does not verify changes
 nothing: it is counted and logged, and the previous collateral stays in force.
 
-``TcbGraceBook`` is the pure bookkeeping of deferred quarantines, held by the control plane.
+``TcbGraceBook`` is the pure bookkeeping of deferred quarantines (their deadlines are in the
+workload rows, persisted), held by the control plane.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from certs.tcb_reeval import (
     reappraise,
     verify_amd_crl,
 )
-from xds.state import Event, EventKind, MeshState, Status, Trigger
+from xds.state import Event, EventKind, MeshState, Status, TcbDeferral, Trigger
 
 if TYPE_CHECKING:
     from attestmesh.controlplane import ControlPlane
@@ -64,35 +65,32 @@ Quarantine = tuple[str, Trigger, str, str, bool]
 # deferred quarantines (pure)
 
 
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    due: datetime
-    finding: TcbFinding
-
-
 @dataclass
 class TcbGraceBook:
-    """Findings waiting out their grace period. A workload that re-attests (its evidence
-    changes), is quarantined or released meanwhile, or whose claims are admitted again by a
-    later re-appraisal, leaves the book without being quarantined."""
+    """Deadlines of the deferred quarantines on record. The deferral itself lives in the
+    workload's row (``WorkloadState.tcb_deferral``: persisted with it, so a restart or another
+    replica keeps the original deadline); this is only a heap over those rows, fed with every
+    row that changes (``track``). A workload that re-attests (its evidence changes), is
+    quarantined or released meanwhile, or whose claims are admitted again by a later
+    re-appraisal, loses its deferral and is not quarantined."""
 
-    _pending: dict[str, _Pending] = field(default_factory=dict)
     _heap: list[tuple[datetime, str]] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def due_at(self, name: str) -> datetime | None:
-        p = self._pending.get(name)
-        return None if p is None else p.due
+    def track(self, state: MeshState, names: Iterable[str]) -> None:
+        for name in names:
+            w = state.workloads.get(name)
+            if w is not None and w.tcb_deferral is not None:
+                heapq.heappush(self._heap, (w.tcb_deferral.due, name))
 
     def decide(
         self, findings: Sequence[TcbFinding], state: MeshState, now: datetime
-    ) -> tuple[list[Quarantine], list[Event], dict[str, int]]:
-        """Quarantines to make now, events to record (audit, deferral) and outcome counts."""
+    ) -> tuple[list[Quarantine], list[Event], dict[str, int], dict[str, TcbDeferral]]:
+        """Quarantines to make now, events to record (audit, deferral), outcome counts and the
+        deferrals to record (a known one keeps its deadline unless the new one is sooner)."""
         quarantines: list[Quarantine] = []
         events: list[Event] = []
         counts: dict[str, int] = {}
+        deferrals: dict[str, TcbDeferral] = {}
         for f in findings:
             if not _still_current(state, f.workload, f.evidence_sha256):
                 continue
@@ -107,14 +105,18 @@ class TcbGraceBook:
                 )
             elif f.grace <= timedelta(0):
                 outcome = "quarantine"
-                self._pending.pop(f.workload, None)
                 quarantines.append((f.workload, trigger, f.reason, code, True))
             else:
                 outcome = "deferred"
-                known = self._pending.get(f.workload)
+                known = deferrals.get(f.workload) or state.workloads[f.workload].tcb_deferral
                 due = now + f.grace if known is None else min(known.due, now + f.grace)
-                self._pending[f.workload] = _Pending(due, f)
-                heapq.heappush(self._heap, (due, f.workload))
+                deferrals[f.workload] = TcbDeferral(
+                    due,
+                    f.evidence_sha256,
+                    f.reason,
+                    code,
+                    f.revoked or bool(known and known.revoked),
+                )
                 if known is None:
                     events.append(
                         Event(
@@ -128,26 +130,28 @@ class TcbGraceBook:
                         )
                     )
             counts[outcome] = counts.get(outcome, 0) + 1
-        return quarantines, events, counts
-
-    def clear(self, names: Iterable[str]) -> int:
-        """Drop deferred quarantines of workloads admitted again; how many were dropped."""
-        return sum(self._pending.pop(n, None) is not None for n in names)
+        return quarantines, events, counts, deferrals
 
     def due(self, state: MeshState, now: datetime) -> list[Quarantine]:
         """Deferred quarantines whose grace has run out and still apply."""
         out: list[Quarantine] = []
+        seen: set[str] = set()
         while self._heap and self._heap[0][0] <= now:
             due, name = heapq.heappop(self._heap)
-            p = self._pending.get(name)
-            if p is None or p.due != due:
-                continue
-            del self._pending[name]
-            f = p.finding
-            if _still_current(state, name, f.evidence_sha256):
-                trigger = Trigger.TCB_REVOKED if f.revoked else Trigger.TCB_CHANGED
-                out.append((name, trigger, f.reason, f.decision.reason, True))
+            w = state.workloads.get(name)
+            d = None if w is None else w.tcb_deferral
+            if d is None or d.due != due or name in seen:
+                continue  # superseded: re-attested, quarantined, dropped or rescheduled
+            seen.add(name)
+            if _still_current(state, name, d.evidence_sha256):
+                trigger = Trigger.TCB_REVOKED if d.revoked else Trigger.TCB_CHANGED
+                out.append((name, trigger, d.reason, d.code, True))
         return out
+
+
+def deferrals_to_drop(state: MeshState, names: Iterable[str]) -> dict[str, None]:
+    """Of ``names`` (workloads admitted again), those with a deferred quarantine to drop."""
+    return {n: None for n in names if (w := state.workloads.get(n)) is not None and w.tcb_deferral}
 
 
 def _still_current(state: MeshState, name: str, evidence_sha256: str) -> bool:

@@ -133,6 +133,20 @@ class Revocation:
 
 
 @dataclass(frozen=True, slots=True)
+class TcbDeferral:
+    """A quarantine decided after a TCB change, waiting out the policy's
+    ``tcbChangeGracePeriod``: it happens at ``due`` unless the workload attests again first
+    (its evidence is then no longer ``evidence_sha256``). Kept in the workload's row, so the
+    deadline survives a restart and holds on every replica."""
+
+    due: datetime
+    evidence_sha256: str
+    reason: str
+    code: str
+    revoked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class WorkloadState:
     registration: Registration
     status: Status = Status.PENDING
@@ -140,6 +154,7 @@ class WorkloadState:
     next_attestation_due: datetime | None = None
     certificates: tuple[IssuedCert, ...] = ()
     quarantine: QuarantineRecord | None = None
+    tcb_deferral: TcbDeferral | None = None
 
 
 class EventKind(enum.StrEnum):
@@ -256,6 +271,7 @@ def record_attestation(
         next_attestation_due=due,
         certificates=live[-MAX_LIVE_CERTIFICATES:],
         quarantine=None,
+        tcb_deferral=None,  # fresh evidence: a TCB finding about the old one no longer applies
     )
     state = _with(state, new)
     if superseded:
@@ -308,6 +324,7 @@ def quarantine(
         certificates=(),
         next_attestation_due=None,
         quarantine=QuarantineRecord(trigger, reason, now, code, platform),
+        tcb_deferral=None,
     )
     state = replace(_with(state, new), revocations=state.revocations + revoked)
     return state, [Event(EventKind.QUARANTINED, name, now, reason, trigger, code, platform)]
@@ -320,6 +337,28 @@ def release(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list
         return state, []
     new = replace(w, status=Status.PENDING, quarantine=None, attestation=None)
     return _with(state, new), [Event(EventKind.RELEASED, name, now)]
+
+
+def set_tcb_deferrals(
+    state: MeshState, deferrals: Mapping[str, TcbDeferral | None]
+) -> tuple[MeshState, list[str]]:
+    """Record (or, with None, drop) deferred TCB quarantines; a deferral is only recorded on
+    an attested workload whose evidence it names. Returns the state and the rows changed."""
+    workloads = dict(state.workloads)
+    changed: list[str] = []
+    for name, d in deferrals.items():
+        w = workloads.get(name)
+        if w is None or w.tcb_deferral == d:
+            continue
+        if d is not None and (
+            w.status is not Status.ATTESTED
+            or w.attestation is None
+            or w.attestation.evidence_sha256 != d.evidence_sha256
+        ):
+            continue
+        workloads[name] = replace(w, tcb_deferral=d)
+        changed.append(name)
+    return (replace(state, workloads=workloads) if changed else state), changed
 
 
 def unregister(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list[Event]]:

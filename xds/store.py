@@ -53,6 +53,7 @@ from xds.state import (
     Registration,
     Revocation,
     Status,
+    TcbDeferral,
     Trigger,
     WorkloadState,
 )
@@ -296,7 +297,7 @@ def workload_to_doc(w: WorkloadState) -> dict[str, Any]:
     r = w.registration
     a = w.attestation
     q = w.quarantine
-    return {
+    doc: dict[str, Any] = {
         "registration": {
             "name": r.name,
             "namespace": r.namespace,
@@ -335,6 +336,16 @@ def workload_to_doc(w: WorkloadState) -> dict[str, Any]:
             "platform": q.platform,
         },
     }
+    d = w.tcb_deferral
+    if d is not None:  # absent otherwise: rows without one read as before (schema 4)
+        doc["tcb_deferral"] = {
+            "due": d.due.isoformat(),
+            "evidence_sha256": d.evidence_sha256,
+            "reason": d.reason,
+            "code": d.code,
+            "revoked": d.revoked,
+        }
+    return doc
 
 
 def workload_from_doc(doc: dict[str, Any]) -> WorkloadState:
@@ -345,6 +356,7 @@ def workload_from_doc(doc: dict[str, Any]) -> WorkloadState:
     q = doc["quarantine"]
     inbound = r["inbound"]
     due = doc["next_attestation_due"]
+    d = doc.get("tcb_deferral")  # absent: none (and in documents written before schema 4)
     return WorkloadState(
         registration=Registration(
             name=r["name"],
@@ -380,6 +392,11 @@ def workload_from_doc(doc: dict[str, Any]) -> WorkloadState:
             _from_iso(q["at"]),
             q.get("code", ""),  # absent in documents written before typed reasons
             bool(q.get("platform", False)),
+        ),
+        tcb_deferral=None
+        if d is None
+        else TcbDeferral(
+            _from_iso(d["due"]), d["evidence_sha256"], d["reason"], d["code"], bool(d["revoked"])
         ),
     )
 
@@ -426,6 +443,13 @@ SQLITE_MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE events ADD COLUMN code TEXT NOT NULL DEFAULT ''",
             "ALTER TABLE events ADD COLUMN platform INTEGER NOT NULL DEFAULT 0",
         ),
+    ),
+    Migration(
+        4,
+        "workload documents may carry a deferred TCB quarantine (tcb_deferral: its deadline); "
+        "no DDL: the version keeps older code, which would drop the field when it rewrites a "
+        "row, from opening the database",
+        (),
     ),
 )
 SCHEMA_VERSION = SQLITE_MIGRATIONS[-1].version

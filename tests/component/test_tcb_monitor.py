@@ -46,7 +46,7 @@ from tests.unit.fixtures_core import (
     spki,
 )
 from xds.state import EventKind, Status, Trigger
-from xds.store import SqliteStore
+from xds.store import SqliteStore, StateStore
 
 BASE = "https://pcs.test"
 OUT_OF_DATE = [
@@ -112,7 +112,7 @@ class Env:
     metrics: Metrics
     pcs: FakePcs
     monitor: TcbMonitor
-    store: SqliteStore
+    store: StateStore
 
     def sample(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, labels)
@@ -128,11 +128,19 @@ class Env:
         await self.cp.attest(req, None)
 
 
-def make_env(tmp_path: Path, policy: dict[str, Any]) -> Env:
-    pki = fx.Pki()
-    clock = Clock(fx.NOW)
+def make_env(
+    tmp_path: Path,
+    policy: dict[str, Any],
+    *,
+    store: StateStore | None = None,
+    like: Env | None = None,
+) -> Env:
+    """A control plane and its TCB monitor. ``like``: a restart of that one (same PKI, clock,
+    vendor and collateral cache; ``store``: the database it opens again)."""
+    pki = like.pki if like is not None else fx.Pki()
+    clock = like.clock if like is not None else Clock(fx.NOW)
     metrics = Metrics()
-    store = SqliteStore(tmp_path / "state.db")
+    store = store if store is not None else SqliteStore(tmp_path / "state.db")
     cp = ControlPlane(
         state=store.load(TRUST_DOMAIN),
         store=store,
@@ -147,7 +155,7 @@ def make_env(tmp_path: Path, policy: dict[str, Any]) -> Env:
         random_bytes=secrets.token_bytes,
     )
     cp.register([registration("web-1"), registration("web-2", port=15002)])
-    pcs = FakePcs(json.loads(fx.build_collateral(pki, tdx=True)))
+    pcs = like.pcs if like is not None else FakePcs(json.loads(fx.build_collateral(pki, tdx=True)))
     source = PcsCollateralSource(
         BASE, DiskCache(tmp_path / "collateral"), pcs.fetch,
         root_ca_crl_url=f"{BASE}/root.der", max_age=timedelta(hours=1),
@@ -420,3 +428,77 @@ async def test_the_monitor_loop_refreshes_and_stops(quarantining: Env) -> None:
     stop.set()
     await asyncio.wait_for(task, 5)
     assert task.done() and task.exception() is None
+
+
+# -- deferred quarantines are durable; a policy that admits again drops them -------------------
+
+
+def _deferrals(env: Env, name: str) -> list[str]:
+    return [r for k, _, r in _kinds(env, name) if k is EventKind.AUDIT and "quarantine at" in r]
+
+
+async def test_a_deferred_quarantine_keeps_its_deadline_across_a_restart(tmp_path: Path) -> None:
+    policy = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    env = make_env(tmp_path, policy)
+    await env.attest("web-1")
+    await env.monitor.refresh()
+    env.pcs.publish(fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
+    env.clock.advance(hours=1, seconds=1)
+    await env.monitor.refresh()
+    deadline = env.clock() + timedelta(minutes=10)
+    stored = env.store.load(TRUST_DOMAIN).get("web-1").tcb_deferral
+    assert stored is not None and stored.due == deadline  # in the row, on disk
+    assert stored.code == "tcb_status_not_accepted" and not stored.revoked
+    env.store.close()
+    # 8 minutes later the control plane restarts on the same database; its monitor starts
+    # afresh (no collateral seen yet), re-appraises and finds the same: the deadline holds
+    env.clock.advance(minutes=8)
+    again = make_env(tmp_path, policy, store=SqliteStore(tmp_path / "state.db"), like=env)
+    assert await again.monitor.refresh() == []
+    assert again.sample("attestmesh_tcb_reappraisals_total", outcome="deferred") == 1.0
+    assert again.cp.state.get("web-1").tcb_deferral == stored
+    assert len(_deferrals(again, "web-1")) == 1  # announced once, before the restart
+    again.clock.advance(minutes=1, seconds=59)
+    assert again.cp.check_deadlines() == []
+    assert again.cp.status_of("web-1") is Status.ATTESTED
+    again.clock.advance(seconds=1)  # the original deadline, not 10 minutes after the restart
+    again.cp.check_deadlines()
+    assert again.cp.status_of("web-1") is Status.QUARANTINED
+    (kind, trigger, reason) = _kinds(again, "web-1")[-1]
+    assert kind is EventKind.QUARANTINED and trigger is Trigger.TCB_CHANGED
+    assert "OutOfDate" in reason
+    assert again.cp.state.get("web-1").tcb_deferral is None  # spent
+
+
+async def test_a_restart_without_the_monitor_still_quarantines_at_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """The deadline comes from the stored row alone (no re-appraisal after the restart)."""
+    lenient = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
+    strict = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    env = make_env(tmp_path, lenient)
+    await env.attest("web-1", fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
+    env.cp.set_policies([strict])
+    env.store.close()
+    env.clock.advance(minutes=9)
+    again = make_env(tmp_path, strict, store=SqliteStore(tmp_path / "state.db"), like=env)
+    assert again.cp.check_deadlines() == [] and again.cp.status_of("web-1") is Status.ATTESTED
+    again.clock.advance(minutes=1)
+    again.cp.check_deadlines()
+    assert again.cp.status_of("web-1") is Status.QUARANTINED
+
+
+async def test_a_re_attestation_clears_the_stored_deferral(tmp_path: Path) -> None:
+    lenient = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
+    env = make_env(tmp_path, lenient)
+    await env.attest("web-1", fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
+    env.cp.set_policies([_policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")])
+    assert env.store.load(TRUST_DOMAIN).get("web-1").tcb_deferral is not None
+    env.clock.advance(minutes=5)
+    await env.attest("web-1")  # patched: UpToDate evidence
+    assert env.store.load(TRUST_DOMAIN).get("web-1").tcb_deferral is None
+    env.clock.advance(minutes=6)
+    assert env.cp.check_deadlines() == []
+    assert env.cp.status_of("web-1") is Status.ATTESTED

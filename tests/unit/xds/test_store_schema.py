@@ -68,7 +68,7 @@ def event(i: int, workload: str = "a") -> Event:
 def test_a_fresh_database_is_created_at_the_latest_version(db: Path) -> None:
     store = SqliteStore(db)
     store.close()
-    assert store.version == SCHEMA_VERSION == 3
+    assert store.version == SCHEMA_VERSION == 4
     assert [v for v, _ in version_rows(db)] == [SCHEMA_VERSION]
     assert {("table", "workloads"), ("table", "revocations"), ("table", "events")} <= objects(db)
     assert ("index", "events_by_workload") in objects(db)
