@@ -32,7 +32,7 @@ from certs.ca import (
 )
 from certs.ear import build_ear_extension
 from certs.errors import AttestmeshError, CollateralError, PolicyError
-from certs.evidence.claims import Claims, Collateral, Tee, Verifier
+from certs.evidence.claims import Claims, Collateral, TcbStatus, Tee, Verifier
 from certs.issuance import (
     AttestRequest,
     EvidenceRejected,
@@ -251,6 +251,8 @@ class ControlPlane:
         self._pruned_at: datetime | None = None
         self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
         self._tcb_grace.track(state, state.workloads)  # their deadlines are in the rows
+        # claims on record as the collateral in force evaluates them (the TCB monitor's)
+        self._tcb_view: Callable[[Claims], Claims] = lambda claims: claims
         self._listeners: list[Callable[[MeshState, Collection[str]], None]] = []
         self._quarantined = sum(w.status is Status.QUARANTINED for w in state.workloads.values())
         self._due: list[tuple[datetime, str]] = [
@@ -930,6 +932,7 @@ class ControlPlane:
         now = self._clock()
         no_longer_admitted: list[tuple[str, Trigger, str, str, bool]] = []
         tcb_findings: list[TcbFinding] = []
+        admitted: list[str] = []  # a deferred TCB quarantine of these is dropped
         for name, w in sorted(self._state.workloads.items()):
             if w.status is not Status.ATTESTED or w.attestation is None:
                 continue
@@ -937,7 +940,14 @@ class ControlPlane:
                 continue
             reg = w.registration
             governing = policies_for(policies, reg.namespace, reg.service_account, reg.labels)
-            decision = appraise_all(w.attestation.claims, governing, now)
+            # as the collateral in force evaluates them: a deferral the monitor made on new
+            # collateral is not dropped because the claims on record predate it
+            claims = self._tcb_view(w.attestation.claims)
+            decision = appraise_all(claims, governing, now)
+            if not isinstance(decision, Rejected):
+                if claims.tcb_status != TcbStatus.REVOKED.value:  # revoked: whatever is accepted
+                    admitted.append(name)
+                continue
             if isinstance(decision, Rejected) and tcb_change_only(decision):
                 # a raised minimum TCB / narrower accepted statuses: per onTcbChange
                 action, grace = tcb_action(decision, governing, now)
@@ -949,8 +959,13 @@ class ControlPlane:
                      False)
                 )  # fmt: skip
         self._quarantine_all(no_longer_admitted)
-        self.apply_tcb_findings(tcb_findings)
+        self.apply_tcb_findings(tcb_findings, admitted=admitted)
         return policies
+
+    def set_tcb_view(self, view: Callable[[Claims], Claims]) -> None:
+        """How the collateral in force re-evaluates claims on record (the TCB monitor's), for
+        the re-appraisal on a policy change."""
+        self._tcb_view = view
 
     def set_mesh_policies(self, policies: Sequence[MeshPolicy]) -> None:
         self._mesh_policies = tuple(policies)

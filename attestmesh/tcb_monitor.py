@@ -44,6 +44,7 @@ from certs.tcb_reeval import (
     digest,
     platform_keys,
     reappraise,
+    reevaluate,
     verify_amd_crl,
 )
 from xds.state import Event, EventKind, MeshState, Status, TcbDeferral, Trigger
@@ -273,10 +274,14 @@ class TcbMonitor:
         state = cp.state
         self._index.update(state, list(state.workloads))
         cp.add_state_listener(self._index.update)
+        cp.set_tcb_view(self._view)
 
     @property
     def collateral(self) -> TcbCollateral:
         return self._collateral
+
+    def _view(self, claims: Claims) -> Claims:
+        return reevaluate(claims, self._collateral)
 
     @property
     def index(self) -> PlatformIndex:

@@ -502,3 +502,50 @@ async def test_a_re_attestation_clears_the_stored_deferral(tmp_path: Path) -> No
     env.clock.advance(minutes=6)
     assert env.cp.check_deadlines() == []
     assert env.cp.status_of("web-1") is Status.ATTESTED
+
+
+async def test_a_policy_admitting_the_workload_again_drops_its_deferred_quarantine(
+    tmp_path: Path,
+) -> None:
+    lenient = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
+    env = make_env(tmp_path, lenient)
+    await env.attest("web-1", fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
+    env.cp.set_policies([_policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")])
+    assert env.cp.state.get("web-1").tcb_deferral is not None
+    # the operator takes the stricter bar back before the grace period is over
+    env.clock.advance(minutes=3)
+    env.cp.set_policies([lenient])
+    assert env.sample("attestmesh_tcb_reappraisals_total", outcome="admitted") == 1.0
+    assert env.cp.state.get("web-1").tcb_deferral is None
+    assert env.store.load(TRUST_DOMAIN).get("web-1").tcb_deferral is None
+    env.clock.advance(minutes=30)
+    assert env.cp.check_deadlines() == []
+    assert env.cp.status_of("web-1") is Status.ATTESTED
+    # and the bar raised again starts a new grace period from now
+    env.cp.set_policies([_policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")])
+    d = env.cp.state.get("web-1").tcb_deferral
+    assert d is not None and d.due == env.clock() + timedelta(minutes=10)
+
+
+async def test_a_policy_reload_keeps_a_deferral_made_on_new_collateral(quarantining: Env) -> None:
+    """The claims on record predate the new collateral (they say UpToDate): a reload of the
+    same policy re-appraises them as the collateral in force evaluates them, so the monitor's
+    deferred quarantine is not dropped."""
+    env = quarantining
+    await env.attest("web-1")
+    await env.monitor.refresh()
+    env.pcs.publish(fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
+    env.clock.advance(hours=1, seconds=1)
+    await env.monitor.refresh()
+    due = env.cp.state.get("web-1").tcb_deferral
+    record = env.cp.state.get("web-1").attestation
+    assert due is not None and record is not None and record.claims is not None
+    assert record.claims.tcb_status == "UpToDate"
+    env.clock.advance(minutes=2)
+    env.cp.set_policies([_policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")])
+    assert env.cp.state.get("web-1").tcb_deferral == due  # same deadline, not dropped
+    assert env.sample("attestmesh_tcb_reappraisals_total", outcome="admitted") == 0.0
+    env.clock.advance(minutes=8)
+    env.cp.check_deadlines()
+    assert env.cp.status_of("web-1") is Status.QUARANTINED
