@@ -145,9 +145,21 @@ class SecretFetcher:
         self._new_cert.set()
 
     def _client_tls(self, chain_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
-        """A client context presenting this certificate. ``ssl`` loads keys from files only:
-        they exist for the call, mode 0600, in ``tls_dir`` (on the memory-backed volume)."""
+        """A client context presenting this certificate. ``ssl`` loads keys from paths only:
+        anonymous memory files (``memfd_create``, read through ``/proc/self/fd``) where the
+        kernel has them, so the key touches no file system at all (the secrets volume is
+        shared with the application); else files for the call, mode 0600, in ``tls_dir``."""
         ctx = ssl.create_default_context(cadata=self._bundle.decode())
+        if hasattr(os, "memfd_create") and Path("/proc/self/fd").is_dir():
+            fds = [os.memfd_create(name, os.MFD_CLOEXEC) for name in ("chain", "key")]
+            try:
+                for fd, data in zip(fds, (chain_pem, key_pem), strict=True):
+                    os.write(fd, data)
+                ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            return ctx
         self._tls_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         chain, key = self._tls_dir / "client.pem", self._tls_dir / "client.key"
         try:

@@ -223,6 +223,8 @@ async def test_release_rotation_audit_and_no_value_in_logs(
         mode = (mesh.tmp / "web-1" / "secrets" / "db" / "password").stat().st_mode
         assert stat.S_IMODE(mode) == 0o400
         assert fetcher.held["db"].version == 1
+        # the mesh key reached the TLS context through anonymous memory, never a file
+        assert not (mesh.tmp / "web-1" / "tls").exists()
         # polling: the same version is answered unchanged, nothing is sealed or audited again
         await fetcher.fetch_all(session)
         await fetcher.fetch_all(session)
