@@ -22,9 +22,9 @@ from typing import Any
 from certs.ca import claims_class
 from certs.errors import PolicyError
 from certs.evidence.claims import Tee
-from certs.policy import API_VERSION
+from certs.policy import API_VERSION, attached_tees
 from xds.index import parse_spiffe_principal, principal_of
-from xds.state import MeshState, Status, WorkloadState, spiffe_id
+from xds.state import AttestationRecord, MeshState, Status, WorkloadState, spiffe_id
 
 KIND_MESH_POLICY = "MeshPolicy"
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})
@@ -48,6 +48,13 @@ class Source:
 
 @dataclass(frozen=True, slots=True)
 class ClaimsCondition:
+    """``tees``: the caller was attested with evidence of at least one of them. A composite
+    caller (a SEV-SNP or TDX VM with GPUs attached, ``certs.evidence.composite``) was attested
+    by its CPU TEE and by every attached one: ``tees: [nvidia-gpu]`` matches an SNP or TDX VM
+    whose attestation carried verified GPU evidence, ``tees: [sev-snp]`` matches it too (with
+    or without GPUs). ``measurements``: every key listed has one of its values (GPU keys are
+    ``gpu<i>.measurement_<n>``)."""
+
     tees: frozenset[str] = frozenset()
     measurements: tuple[tuple[str, frozenset[str]], ...] = ()
 
@@ -55,9 +62,16 @@ class ClaimsCondition:
         rec = w.attestation
         if rec is None:
             return False
-        if self.tees and rec.tee not in self.tees:
+        if self.tees and self.tees.isdisjoint(attested_tees(rec)):
             return False
         return all(rec.measurements.get(k, "").lower() in v for k, v in self.measurements)
+
+
+def attested_tees(rec: AttestationRecord) -> frozenset[str]:
+    """The TEEs whose evidence an attestation verified: its own and any attached to it."""
+    if rec.claims is None:
+        return frozenset({rec.tee})
+    return frozenset({rec.tee, *(t.value for t in attached_tees(rec.claims))})
 
 
 @dataclass(frozen=True, slots=True)

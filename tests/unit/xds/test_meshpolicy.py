@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from certs.ca import claims_class
 from certs.errors import PolicyError
+from certs.evidence.claims import Claims, Tee
+from certs.evidence.composite import merge_claims
 from certs.policy import API_VERSION
 from tests.unit.fixtures_core import NOW, TRUST_DOMAIN, record, registration
 from xds.meshpolicy import (
@@ -19,6 +22,7 @@ from xds.meshpolicy import (
     parse_mesh_policies,
 )
 from xds.state import (
+    AttestationRecord,
     IssuedCert,
     MeshState,
     Trigger,
@@ -306,3 +310,73 @@ def test_unknown_destination() -> None:
 
     with pytest.raises(UnknownWorkloadError):
         compile_permissions((), _mesh(), "ghost")
+
+
+# -- composite callers (CPU + attached GPUs) ------------------------------------------------------
+
+
+def _claims(tee: Tee, measurements: dict[str, str]) -> Claims:
+    return Claims(tee, measurements, bytes(64), False, "cd" * 32)
+
+
+def _composite_mesh() -> MeshState:
+    """db-0 (destination); cvm-1: SEV-SNP with an H100 attached (composite claims as the
+    composite verifier merges them); snp-1: SEV-SNP alone; td-1: TDX alone."""
+    gpu = _claims(Tee.NVIDIA_GPU, {"measurement_0": "11" * 48, "measurement_1": "22" * 48})
+    callers = {
+        "cvm-1": merge_claims(_claims(Tee.SEV_SNP, {"measurement": SNP}), [gpu]),
+        "snp-1": _claims(Tee.SEV_SNP, {"measurement": SNP}),
+        "td-1": _claims(Tee.TDX, {"mrtd": "33" * 48}),
+    }
+    state, _ = register(MeshState(TRUST_DOMAIN), registration("db-0", namespace="shop",
+                                                              service_account="db"), NOW)  # fmt: skip
+    for i, (name, claims) in enumerate(callers.items(), start=1):
+        reg = registration(name, namespace="shop", service_account=name, port=15000 + i)
+        state, _ = register(state, reg, NOW)
+        rec = AttestationRecord(claims.tee.value, dict(claims.measurements), "shop/pol",
+                                claims.evidence_sha256, NOW, claims)  # fmt: skip
+        state, _ = record_attestation(state, name, rec, IssuedCert(i, NOW), NOW, NOW)
+    return state
+
+
+def _callers(when: dict[str, Any]) -> list[str]:
+    everyone = [{"serviceAccount": n} for n in ("cvm-1", "snp-1", "td-1")]
+    doc = _doc(rules=[{"from": everyone, "whenClaims": when}])
+    perms = compile_permissions(parse_mesh_policies([doc]), _composite_mesh(), "db-0")
+    return [p.principal.rsplit("/", 1)[-1] for p in perms]
+
+
+def test_a_rule_naming_the_gpu_matches_a_composite_caller_attested_with_gpu_evidence() -> None:
+    assert _callers({"tees": ["nvidia-gpu"]}) == ["cvm-1"]
+    # the CPU TEE still matches it, with or without GPUs; any TEE listed is enough
+    assert _callers({"tees": ["sev-snp"]}) == ["cvm-1", "snp-1"]
+    assert _callers({"tees": ["tdx", "nvidia-gpu"]}) == ["cvm-1", "td-1"]
+    assert _callers({"tees": ["tdx"]}) == ["td-1"]
+    # GPU measurements by their composite keys; with the GPU TEE named too
+    assert _callers({"measurements": {"gpu0.measurement_1": ["22" * 48]}}) == ["cvm-1"]
+    assert _callers({"tees": ["nvidia-gpu"], "measurements": {"gpu0.measurement_1": ["00"]}}) == []
+
+
+def test_a_composite_callers_class_is_that_of_all_its_claims() -> None:
+    doc = _doc(
+        rules=[{"from": [{"serviceAccount": "cvm-1"}], "whenClaims": {"tees": ["nvidia-gpu"]}}]
+    )
+    state = _composite_mesh()
+    rec = state.get("cvm-1").attestation
+    assert rec is not None
+    (perm,) = compile_permissions(parse_mesh_policies([doc]), state, "db-0")
+    assert perm.claim_classes == frozenset({claims_class(rec.tee, rec.measurements)})
+    assert "gpu0.measurement_0" in rec.measurements  # the GPU's claims are part of the class
+
+
+def test_a_gpu_attached_claim_is_not_believed_without_composite_claims() -> None:
+    """Only verified composite claims attach a TEE: a record without claims is its own TEE."""
+    state = _composite_mesh()
+    w = state.get("cvm-1")
+    assert w.attestation is not None
+    bare = replace(w, attestation=replace(w.attestation, claims=None))
+    state = replace(state, workloads={**state.workloads, "cvm-1": bare})
+    doc = _doc(
+        rules=[{"from": [{"serviceAccount": "cvm-1"}], "whenClaims": {"tees": ["nvidia-gpu"]}}]
+    )
+    assert compile_permissions(parse_mesh_policies([doc]), state, "db-0") == ()
