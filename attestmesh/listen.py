@@ -51,6 +51,7 @@ __all__ = [
     "ListenerStats",
     "OnRefused",
     "Site",
+    "connection_totals",
     "start_aiohttp",
     "start_grpc",
 ]
@@ -147,6 +148,22 @@ def _source_key(peer: object) -> str | None:
     return str(addr)
 
 
+class _Totals:
+    """Connections admitted by every listener of this process: open now, closed ever."""
+
+    open = 0
+    closed = 0
+
+
+_TOTALS = _Totals()
+
+
+def connection_totals() -> tuple[int, int]:
+    """(open now, ever closed) over every hardened listener of the process: how much
+    connection churn there was (attestmesh.gcpolicy reclaims a closed connection's cycles)."""
+    return _TOTALS.open, _TOTALS.closed
+
+
 class _Listener:
     """Admission and accounting for one listening port."""
 
@@ -187,10 +204,13 @@ class _Listener:
                 return CloseReason.MAX_PER_SOURCE
             self.per_source[source] = n + 1
         self.open += 1
+        _TOTALS.open += 1
         return None
 
     def release(self, source: str | None) -> None:
         self.open -= 1
+        _TOTALS.open -= 1
+        _TOTALS.closed += 1
         if source is not None:
             n = self.per_source[source] - 1
             if n:

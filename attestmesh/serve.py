@@ -37,6 +37,7 @@ from attestmesh.controlplane import (
     RegistrationTokenCheck,
 )
 from attestmesh.cp_attest import SelfAttestation
+from attestmesh.gcpolicy import GcPolicy
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
 from attestmesh.metrics import Metrics
 from attestmesh.replication import PgReplication
@@ -688,6 +689,8 @@ async def run_control_plane(
             if ready is not None:
                 ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
             async with asyncio.TaskGroup() as tg:
+                # long-lived objects out of the cycle collector's scans (attestmesh/gcpolicy.py)
+                tg.create_task(GcPolicy().run(stop))
                 tg.create_task(_deadlines(cp, settings, stop))
                 tg.create_task(_rotate_server_cert(contexts, lambda: cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))

@@ -22,7 +22,14 @@ from grpclib.client import Channel
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Server, Stream
 
-from attestmesh.listen import CloseReason, ListenLimits, Site, start_aiohttp, start_grpc
+from attestmesh.listen import (
+    CloseReason,
+    ListenLimits,
+    Site,
+    connection_totals,
+    start_aiohttp,
+    start_grpc,
+)
 
 FAST = ListenLimits(
     handshake_timeout=0.5,
@@ -453,3 +460,23 @@ def test_source_key_groups_ipv6_by_64() -> None:
     assert _source_key(("2001:db8:1:3::5", 1, 0, 0)) != _source_key(("2001:db8:1:2::5", 1, 0, 0))
     assert _source_key(("::ffff:10.0.0.1", 1, 0, 0)) == _source_key(("10.0.0.1", 2)) == "10.0.0.1"
     assert _source_key("") is None
+
+
+async def test_connection_totals_count_open_and_closed_over_every_listener(
+    ca: trustme.CA,
+) -> None:
+    """The process-wide totals the GC policy reads: admitted connections open now, and every
+    one that closed (its protocol objects are garbage then), plain and TLS alike."""
+    open0, closed0 = connection_totals()
+    async with http_site(None) as (plain, _), http_site(server_tls(ca)) as (tls, _):
+        conns = [await raw(plain.port), await raw(plain.port)]
+        conns.append(await asyncio.open_connection("127.0.0.1", tls.port, ssl=client_tls(ca)))
+        async with asyncio.timeout(5):
+            while connection_totals()[0] < open0 + 3:
+                await asyncio.sleep(0.01)
+        assert connection_totals() == (open0 + 3, closed0)
+        for _, writer in conns:
+            writer.close()
+        async with asyncio.timeout(5):
+            while connection_totals() != (open0, closed0 + 3):
+                await asyncio.sleep(0.01)
