@@ -28,11 +28,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import heapq
 import hmac
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from certs.errors import AttestmeshError
@@ -49,9 +51,14 @@ KBS_TEES: Mapping[str, Tee] = {
 NONCE_BYTES = 32
 CHALLENGE_TTL = timedelta(minutes=2)
 SESSION_TTL = timedelta(minutes=5)
-MAX_SESSIONS = 4096
+MAX_ENTRIES = 65536  # spent challenges + attested sessions (state only after evidence verified)
+PER_WORKLOAD = 16  # attested sessions per workload; its oldest is dropped
 MAX_EVIDENCE = 64 * 1024
 COOKIE = "kbs-session-id"
+_TEE_CODES: tuple[Tee, ...] = tuple(KBS_TEES.values())
+_MAC_CONTEXT = b"attestmesh kbs challenge v1\0"
+_PAYLOAD = 9 + NONCE_BYTES  # tee code (1), expiry in Unix seconds (8), nonce
+_COOKIE_CHARS = len(base64.urlsafe_b64encode(bytes(_PAYLOAD + 32)).rstrip(b"="))
 
 
 class KbsError(AttestmeshError):
@@ -82,11 +89,20 @@ class Attested:
 
 
 @dataclass(frozen=True, slots=True)
-class Session:
+class Challenge:
+    """What a challenge cookie carries (authenticated by the book's HMAC)."""
+
     tee: Tee
     nonce: str  # base64, as sent
     expires: datetime
-    attested: Attested | None = None
+    key: bytes  # the raw nonce: the challenge's identity in the book
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    expires: datetime
+    attested: Attested | None  # None: a spent challenge, remembered until it expires
+    spent_until: datetime | None = None  # an attested session: when its challenge expires
 
 
 def _b64(value: object, what: str, limit: int = MAX_EVIDENCE) -> bytes:
@@ -153,67 +169,147 @@ def tee_key(jwk: Mapping[str, Any]) -> TeePublicKey:
 
 
 class KbsSessions:
-    """The cookie -> session book: bounded (the oldest is dropped), expiring, ids random."""
+    """The session book. A challenge is stateless: its cookie carries the TEE, the expiry and the
+    nonce under an HMAC with this book's key, so ``POST /kbs/v0/auth`` (unauthenticated) stores
+    nothing and cannot evict anyone. State is kept only once evidence has *verified*: the
+    challenge is then spent (remembered until it expires, so it is answered once) and, if the
+    attestation is admitted, the attested session (until ``SESSION_TTL``) under the same cookie.
+    Bounded: at most ``per_workload`` attested sessions per workload (its oldest is dropped,
+    never another workload's) and ``max_entries`` in all (then attestation answers 503 until
+    entries expire; sessions in force are never evicted for newcomers)."""
 
     def __init__(
         self,
         *,
         clock: Callable[[], datetime],
         random_bytes: Callable[[int], bytes],
-        max_sessions: int = MAX_SESSIONS,
+        max_entries: int = MAX_ENTRIES,
+        per_workload: int = PER_WORKLOAD,
     ) -> None:
         self._clock = clock
+        self._key = random_bytes(32)
         self._random = random_bytes
-        self._max = max_sessions
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._max = max_entries
+        self._per_workload = per_workload
+        self._entries: dict[bytes, _Entry] = {}
+        self._by_workload: dict[str, OrderedDict[bytes, None]] = {}
+        self._expiry: list[tuple[datetime, int, bytes]] = []
+        self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        """Entries held: spent challenges and attested sessions (challenges are not held)."""
+        return len(self._entries)
 
-    def challenge(self, tee: Tee) -> tuple[str, Session]:
+    def challenge(self, tee: Tee) -> tuple[str, Challenge]:
+        """A fresh challenge and its cookie; nothing is stored."""
+        expires = int((self._clock() + CHALLENGE_TTL).timestamp())
+        nonce = self._random(NONCE_BYTES)
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError("random_bytes returned the wrong length")
+        payload = struct.pack(">BQ", _TEE_CODES.index(tee), expires) + nonce
+        cookie = base64.urlsafe_b64encode(payload + self._mac(payload)).rstrip(b"=").decode()
+        return cookie, self._challenge(payload)
+
+    def open(self, cookie: str | None) -> Challenge:
+        """The unexpired, unanswered challenge a cookie carries (401 otherwise)."""
+        challenge = self._parse(cookie)
+        if self._clock() >= challenge.expires:
+            raise KbsError("session_unknown", "the challenge expired: POST /kbs/v0/auth", 401)
+        self._purge(self._clock())
+        if challenge.key in self._entries:
+            raise KbsError("session_attested", "this challenge has been answered", 401)
+        return challenge
+
+    def spend(self, challenge: Challenge) -> None:
+        """The challenge's evidence verified: it is answered, whatever the outcome."""
         now = self._clock()
-        self._expire(now)
-        while len(self._sessions) >= self._max:
-            self._sessions.popitem(last=False)
-        sid = base64.urlsafe_b64encode(self._random(32)).rstrip(b"=").decode()
-        nonce = base64.b64encode(self._random(NONCE_BYTES)).decode()
-        session = Session(tee, nonce, now + CHALLENGE_TTL)
-        self._sessions[sid] = session
-        return sid, session
+        self._purge(now)
+        if challenge.key in self._entries:
+            raise KbsError("session_attested", "this challenge has been answered", 401)
+        if len(self._entries) >= self._max:
+            raise KbsError("kbs_busy", "too many sessions: try again later", 503)
+        self._put(challenge.key, _Entry(challenge.expires, None))
 
-    def get(self, sid: str | None) -> Session:
-        session = self._sessions.get(sid) if sid else None
-        if session is None or self._clock() >= session.expires:
-            if sid:
-                self._sessions.pop(sid, None)
-            raise KbsError("session_unknown", "no KBS session: POST /kbs/v0/auth first", 401)
-        return session
+    def attested(self, challenge: Challenge, attested: Attested) -> None:
+        """The spent challenge's attestation is admitted: its cookie is an attested session."""
+        entry = self._entries.get(challenge.key)
+        if entry is None or entry.attested is not None:
+            raise KbsError("session_unknown", "spend the challenge first", 401)
+        self._put(challenge.key, _Entry(self._clock() + SESSION_TTL, attested, entry.expires))
+        mine = self._by_workload.setdefault(attested.workload, OrderedDict())
+        mine[challenge.key] = None
+        while len(mine) > self._per_workload:
+            oldest, _ = mine.popitem(last=False)
+            old = self._entries[oldest]  # still spent until its challenge expires
+            self._put(oldest, _Entry(old.spent_until or old.expires, None))
 
-    def attested(self, sid: str, attested: Attested) -> None:
-        """The challenge is answered: the session is attested (and its nonce spent)."""
-        session = self.get(sid)
-        if session.attested is not None:
-            raise KbsError("session_attested", "this session has attested already", 401)
-        self._sessions[sid] = replace(
-            session, attested=attested, nonce="", expires=self._clock() + SESSION_TTL
+    def session(self, cookie: str | None) -> Attested:
+        """The attested session a cookie names (401 ``not_attested`` / ``session_unknown``)."""
+        challenge = self._parse(cookie)
+        now = self._clock()
+        self._purge(now)
+        entry = self._entries.get(challenge.key)
+        if entry is not None and entry.attested is not None and now < entry.expires:
+            return entry.attested
+        if now < challenge.expires and entry is None:
+            raise KbsError("not_attested", "attest first: POST /kbs/v0/attest", 401)
+        raise KbsError("session_unknown", "no KBS session: POST /kbs/v0/auth first", 401)
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, _MAC_CONTEXT + payload, hashlib.sha256).digest()
+
+    def _parse(self, cookie: str | None) -> Challenge:
+        unknown = KbsError("session_unknown", "no KBS session: POST /kbs/v0/auth first", 401)
+        if not cookie or len(cookie) != _COOKIE_CHARS:
+            raise unknown
+        try:
+            raw = base64.urlsafe_b64decode(cookie + "=" * (-len(cookie) % 4))
+        except (binascii.Error, ValueError):
+            raise unknown from None
+        payload, mac = raw[:_PAYLOAD], raw[_PAYLOAD:]
+        if len(raw) != _PAYLOAD + 32 or not hmac.compare_digest(mac, self._mac(payload)):
+            raise unknown
+        return self._challenge(payload)
+
+    @staticmethod
+    def _challenge(payload: bytes) -> Challenge:
+        code, expires = struct.unpack(">BQ", payload[:9])
+        nonce = payload[9:]
+        return Challenge(
+            _TEE_CODES[code],
+            base64.b64encode(nonce).decode(),
+            datetime.fromtimestamp(expires, UTC),
+            nonce,
         )
 
-    def drop(self, sid: str) -> None:
-        self._sessions.pop(sid, None)
+    def _put(self, key: bytes, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._seq += 1
+        heapq.heappush(self._expiry, (entry.expires, self._seq, key))
 
-    def _expire(self, now: datetime) -> None:
-        for sid in [s for s, v in self._sessions.items() if now >= v.expires][:64]:
-            del self._sessions[sid]
+    def _purge(self, now: datetime) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            expires, _, key = heapq.heappop(self._expiry)
+            entry = self._entries.get(key)
+            if entry is None or entry.expires != expires:
+                continue  # superseded by a later state of the same key
+            del self._entries[key]
+            if entry.attested is not None:
+                mine = self._by_workload.get(entry.attested.workload)
+                if mine is not None:
+                    mine.pop(key, None)
+                    if not mine:
+                        del self._by_workload[entry.attested.workload]
 
 
 __all__ = [
     "COOKIE",
     "KBS_TEES",
     "Attested",
+    "Challenge",
     "KbsError",
     "KbsEvidence",
     "KbsSessions",
-    "Session",
     "check_binding",
     "kbs_report_data",
     "parse_attestation",

@@ -104,19 +104,15 @@ class KbsService:
             self._attest(sid, body)
         except KbsError as exc:
             self._on_decision("kbs_attest", "refused", exc.reason)
-            if sid and exc.status in (401, 403):
-                self.sessions.drop(sid)  # one challenge, one answer
             raise
         self._on_decision("kbs_attest", "attested", "ok")
 
     def _attest(self, sid: str | None, body: Any) -> None:
-        session = self.sessions.get(sid)
-        if session.attested is not None or sid is None:
-            raise KbsError("session_attested", "this session has attested already", 401)
+        challenge = self.sessions.open(sid)  # 401 unless unexpired and unanswered
         jwk, ev = parse_attestation(body)
         key = tee_key(jwk)
         w = self._workload(ev.workload)
-        verifier = self._verifiers().get(session.tee)
+        verifier = self._verifiers().get(challenge.tee)
         if verifier is None:
             raise KbsError("tee_not_supported", "this KBS does not verify that TEE", 400)
         now = self._clock()
@@ -125,7 +121,11 @@ class KbsService:
         except AttestmeshError as exc:
             log.info("KBS evidence for %s refused: %s", ev.workload, exc.reason)
             raise KbsError("evidence_invalid", "the evidence does not verify", 401) from None
-        check_binding(claims.report_data, session.nonce, jwk)
+        check_binding(claims.report_data, challenge.nonce, jwk)
+        # Evidence from a TEE, bound to this challenge: only now is anything stored (the
+        # challenge is spent, whatever the policy says next), so unauthenticated requests and
+        # replayed evidence leave no state behind.
+        self.sessions.spend(challenge)
         reg = w.registration
         governing = policies_for(
             self._attestation_policies(), reg.namespace, reg.service_account, reg.labels
@@ -134,7 +134,7 @@ class KbsService:
         if isinstance(decision, Rejected):
             raise KbsError(decision.reason, "the evidence is not admitted by policy", 401)
         self.sessions.attested(
-            sid,
+            challenge,
             Attested(
                 ev.workload,
                 key,
@@ -145,10 +145,7 @@ class KbsService:
         )
 
     def _decide(self, sid: str | None, resource: str) -> tuple[Attested, Any, str]:
-        session = self.sessions.get(sid)
-        att = session.attested
-        if att is None:
-            raise KbsError("not_attested", "attest first: POST /kbs/v0/attest", 401)
+        att = self.sessions.session(sid)
         w = self._workload(att.workload)
         reg = w.registration
         state = self._state()
@@ -220,10 +217,9 @@ class KbsService:
 
     def _session_workload(self, sid: str | None) -> str:
         try:
-            att = self.sessions.get(sid).attested
+            return self.sessions.session(sid).workload
         except KbsError:
             return ""
-        return att.workload if att is not None else ""
 
     async def _refused(self, workload: str, path: str, exc: KbsError) -> None:
         if workload and workload in self._state().workloads:

@@ -9,6 +9,7 @@ project's documented rule (SHA-512 of the canonical runtime data {nonce, tee-pub
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -323,3 +324,35 @@ async def test_an_attested_session_looping_on_reads_is_limited(kbs: Kbs) -> None
     assert [e.kind for e in kbs.plane.cp.events("web-1") if e.code == "kbs"] == [
         EventKind.SECRET_RELEASED
     ] * 2
+
+
+async def test_auth_spam_neither_evicts_sessions_nor_grows_state(kbs: Kbs) -> None:
+    """10,000 unauthenticated /auth calls while one pod is attested and another is between its
+    challenge and its attestation: both go on, and the KBS holds nothing for the spam."""
+    attested, in_flight, spam = kbs.client(), kbs.client(), kbs.client()
+    try:
+        assert await attested.attested("web-1") == 200
+        _, challenge = await in_flight.auth()
+        held = len(kbs.service.sessions)
+        body = {"version": "0.1.0", "tee": "sample", "extra-params": ""}
+
+        async def one() -> int:
+            async with spam.session.post(f"{spam.url}/kbs/v0/auth", json=body, ssl=spam.ssl) as r:
+                await r.read()
+                return r.status
+
+        statuses: list[int] = []
+        for _ in range(100):
+            statuses += await asyncio.gather(*(one() for _ in range(100)))
+        assert statuses == [200] * 10_000
+        assert len(kbs.service.sessions) == held == 1
+        late, _ = await in_flight.attest("web-1", in_flight.evidence(challenge["nonce"]))
+        still, jwe = await attested.resource("default/key/web")
+        fresh, _ = await in_flight.resource("default/key/web")
+        unbound, _ = await spam.attest("web-1", spam.evidence(base64.b64encode(bytes(32)).decode()))
+    finally:
+        for c in (attested, in_flight, spam):
+            await c.close()
+    assert (late, still, fresh, unbound) == (200, 200, 200, 401)
+    assert _decrypt_jwe(jwe, attested.tee_key) == IMAGE_KEY.encode()
+    assert len(kbs.service.sessions) == 2  # the two attested sessions; nothing for the spam

@@ -1,8 +1,9 @@
 """certs/kbs.py, pure: payload parsers (arbitrary input raises only KbsError), the binding,
-the session book (expiry, bound, one attestation per challenge)."""
+the session book (stateless HMAC challenges, state only after verified evidence, expiry, bounds, one attestation per challenge)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 from datetime import UTC, datetime, timedelta
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from certs.evidence.claims import Tee
 from certs.kbs import (
     CHALLENGE_TTL,
+    SESSION_TTL,
     Attested,
     KbsError,
     KbsSessions,
@@ -39,12 +41,13 @@ class Clock:
         return self.now
 
 
-def _sessions(clock: Clock, max_sessions: int = 8) -> KbsSessions:
-    counter = itertools.count()
+def _sessions(clock: Clock, max_entries: int = 8, per_workload: int = 4) -> KbsSessions:
+    counter = itertools.count(1)
     return KbsSessions(
         clock=clock,
         random_bytes=lambda n: next(counter).to_bytes(n, "big"),
-        max_sessions=max_sessions,
+        max_entries=max_entries,
+        per_workload=per_workload,
     )
 
 
@@ -82,30 +85,116 @@ def test_binding_is_sha512_of_the_canonical_runtime_data() -> None:
         assert e.value.status == 401
 
 
-def test_sessions_expire_are_bounded_and_attest_once() -> None:
+def _attest(book: KbsSessions, cookie: str, workload: str = "w") -> Attested:
+    attested = Attested(workload, tee_key(JWK), "sim", {}, None)
+    challenge = book.open(cookie)
+    book.spend(challenge)
+    book.attested(challenge, attested)
+    return attested
+
+
+def test_challenges_are_stateless_and_authenticated() -> None:
     clock = Clock()
-    book = _sessions(clock, max_sessions=4)
-    sid, session = book.challenge(Tee.SIM)
-    assert book.get(sid) == session and session.nonce
-    attested = Attested("w", tee_key(JWK), "sim", {}, None)
-    book.attested(sid, attested)
-    assert book.get(sid).attested == attested and book.get(sid).nonce == ""
-    with pytest.raises(KbsError):
-        book.attested(sid, attested)  # one challenge, one attestation
-    clock.now += timedelta(minutes=6)
+    book = _sessions(clock)
+    cookie, challenge = book.challenge(Tee.SEV_SNP)
+    assert len(book) == 0  # nothing stored for an unauthenticated request
+    assert book.open(cookie) == challenge and challenge.tee is Tee.SEV_SNP
+    assert base64.b64decode(challenge.nonce) == challenge.key and len(challenge.key) == 32
+    assert challenge.expires == NOW + CHALLENGE_TTL
     with pytest.raises(KbsError) as e:
-        book.get(sid)
-    assert e.value.status == 401
-    other, _ = book.challenge(Tee.SIM)
+        book.session(cookie)
+    assert (e.value.status, e.value.reason) == (401, "not_attested")
+    raw = bytearray(base64.urlsafe_b64decode(cookie + "=" * (-len(cookie) % 4)))
+    for i in (0, 1, 9, 40, len(raw) - 1):  # the TEE, the expiry, the nonce, the MAC
+        forged = bytearray(raw)
+        forged[i] ^= 1
+        text = base64.urlsafe_b64encode(bytes(forged)).rstrip(b"=").decode()
+        for use in (book.open, book.session):
+            with pytest.raises(KbsError) as e:
+                use(text)
+            assert (e.value.status, e.value.reason) == (401, "session_unknown")
+    for junk in (None, "", "x" * len(cookie), cookie[:-1], cookie + "A", "*" * len(cookie)):
+        with pytest.raises(KbsError) as e:
+            book.open(junk)
+        assert e.value.status == 401
+    other_key = _sessions(clock)  # another book (key) does not take this cookie
+    other_key._key = b"k" * 32
+    with pytest.raises(KbsError):
+        other_key.open(cookie)
     clock.now += CHALLENGE_TTL
+    with pytest.raises(KbsError) as e:
+        book.open(cookie)  # an unanswered challenge expires
+    assert e.value.reason == "session_unknown"
+
+
+def test_a_challenge_is_answered_once_and_the_session_expires() -> None:
+    clock = Clock()
+    book = _sessions(clock)
+    cookie, _ = book.challenge(Tee.SIM)
+    attested = _attest(book, cookie)
+    assert book.session(cookie) == attested and len(book) == 1
+    for again in (book.open, lambda c: book.spend(book._parse(c))):
+        with pytest.raises(KbsError) as e:
+            again(cookie)  # one challenge, one attestation
+        assert e.value.reason == "session_attested"
+    clock.now += CHALLENGE_TTL + timedelta(seconds=1)
+    assert book.session(cookie) == attested  # the session outlives its challenge
+    clock.now = NOW + SESSION_TTL + timedelta(seconds=1)
+    with pytest.raises(KbsError) as e:
+        book.session(cookie)
+    assert e.value.reason == "session_unknown" and len(book) == 0
+    spent, _ = book.challenge(Tee.SIM)  # spent (evidence verified) but not admitted
+    book.spend(book.open(spent))
     with pytest.raises(KbsError):
-        book.get(other)  # an unanswered challenge expires sooner
-    ids = [book.challenge(Tee.SIM)[0] for _ in range(10)]
-    assert len(book) == 4 and all(book.get(i) for i in ids[-4:])
+        book.open(spent)
+    with pytest.raises(KbsError) as e:
+        book.session(spent)
+    assert e.value.reason == "session_unknown"
+    clock.now += CHALLENGE_TTL
+    book.open(book.challenge(Tee.SIM)[0])
+    assert len(book) == 0  # remembered only until the challenge expires
+
+
+def test_auth_spam_evicts_nothing_and_stores_nothing() -> None:
+    clock = Clock()
+    book = _sessions(clock, max_entries=64)
+    attested_cookie, _ = book.challenge(Tee.SIM)
+    attested = _attest(book, attested_cookie, "legit")
+    in_flight, _ = book.challenge(Tee.SIM)  # challenged, evidence on its way
+    held = (len(book), len(book._expiry), len(book._by_workload))
+    for _ in range(10_000):
+        book.challenge(Tee.SIM)
+    assert (len(book), len(book._expiry), len(book._by_workload)) == held
+    assert len(book) == 1
+    assert book.session(attested_cookie) == attested
+    assert _attest(book, in_flight, "legit") and len(book) == 2
+
+
+def test_bounds_per_workload_and_in_all() -> None:
+    clock = Clock()
+    book = _sessions(clock, max_entries=6, per_workload=2)
+    mine = [book.challenge(Tee.SIM)[0] for _ in range(3)]
+    theirs, _ = book.challenge(Tee.SIM)
+    _attest(book, theirs, "other")
+    for cookie in mine:
+        _attest(book, cookie, "loop")
     with pytest.raises(KbsError):
-        book.get(ids[0])
-    with pytest.raises(KbsError):
-        book.get(None)
+        book.session(mine[0])  # the looping workload's oldest session goes
+    assert book.session(mine[1]).workload == book.session(mine[2]).workload == "loop"
+    assert book.session(theirs).workload == "other"  # never another workload's
+    with pytest.raises(KbsError) as e:
+        book.open(mine[0])  # its challenge stays spent until it expires
+    assert e.value.reason == "session_attested"
+    assert len(book) == 4
+    for _ in range(2):
+        book.spend(book.open(book.challenge(Tee.SIM)[0]))
+    with pytest.raises(KbsError) as e:
+        book.spend(book.open(book.challenge(Tee.SIM)[0]))
+    assert (e.value.status, e.value.reason) == (503, "kbs_busy")  # full: newcomers wait
+    assert book.session(theirs).workload == "other"
+    clock.now += CHALLENGE_TTL
+    book.spend(book.open(book.challenge(Tee.SIM)[0]))  # spent challenges expired: room again
+    assert len(book) == 4
 
 
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),
