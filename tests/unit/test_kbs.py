@@ -57,6 +57,7 @@ def test_request_versions_and_tees() -> None:
         parse_request({"version": "0.1.0", "tee": "sample", "extra-params": ""}, enabled) is Tee.SIM
     )
     assert parse_request({"version": "0.1.0", "tee": "amd-sev-snp"}, enabled) is Tee.SEV_SNP
+    bad: Any
     for bad in (
         {"version": "0.2.0", "tee": "sample"},
         {"version": "0.1.0", "tee": "intel-tdx"},  # not enabled here
