@@ -33,6 +33,8 @@ _KUBE_ONLY = {
     "probe_port": "--probe-port",
     "sidecar_image": "--sidecar-image",
     "envoy_image": "--envoy-image",
+    "inject_attest_gpus": "--inject-attest-gpus",
+    "inject_control_plane_policy": "--inject-control-plane-policy",
 }
 
 
@@ -86,6 +88,12 @@ def _controlplane(args: argparse.Namespace) -> int:
             inject = dataclasses.replace(inject, agent_image=args.sidecar_image)
         if args.envoy_image:
             inject = dataclasses.replace(inject, envoy_image=args.envoy_image)
+        if args.inject_attest_gpus:
+            inject = dataclasses.replace(inject, attest_gpus=True)
+        if args.inject_control_plane_policy:
+            inject = dataclasses.replace(
+                inject, control_plane_policy=args.inject_control_plane_policy
+            )
         kube_settings = KubeSettings(
             namespace=namespace,
             identity=args.identity or os.environ.get("POD_NAME") or socket.gethostname(),
@@ -389,6 +397,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--probe-port", type=int, help="/metrics, /healthz, /readyz (no admin API)")
     k.add_argument("--sidecar-image", help="image of the injected agent")
     k.add_argument("--envoy-image", help="image of the injected Envoy")
+    k.add_argument(
+        "--inject-attest-gpus",
+        action="store_const",
+        const=True,
+        help="injected sev-snp/tdx agents attach the pod's nvidia.com/gpu GPUs (--gpus)",
+    )
+    k.add_argument(
+        "--inject-control-plane-policy",
+        metavar="CONFIGMAP",
+        help="injected agents check the control plane against the AttestationPolicy in this "
+        "ConfigMap (key policy.yaml, in the pod's namespace) before sending evidence",
+    )
     from attestmesh.listen import add_arguments as add_listen_arguments
 
     add_listen_arguments(cp)

@@ -73,6 +73,16 @@ The agent's ``--tee`` is the pod's TEE, except ``tdx``, whose evidence comes thr
 configfs-tsm (``--tee tsm``). With no TEE chosen (annotation, namespace label, or
 ``InjectConfig.default_tee``, None by default) the pod is refused.
 
+Composite GPU attestation: a ``sev-snp``/``tdx`` pod annotated ``attestmesh.dev/attest-gpus:
+"true"`` (or any such pod requesting GPUs when ``InjectConfig.attest_gpus`` is set, unless it
+annotates ``"false"``) gets ``--gpus N``, N the sum of its containers' ``nvidia.com/gpu``
+limits (the GPUs of one confidential VM). Asked for on another TEE, with no GPU requested, more
+than 8 or a count that is not a whole number: refused. The attested control plane: the pod's
+``attestmesh.dev/control-plane-policy`` (else ``InjectConfig.control_plane_policy``) names a
+ConfigMap in its namespace whose ``policy.yaml`` (an AttestationPolicy) the agent checks the
+control plane's evidence against before sending its own (``--control-plane-policy``, mounted
+read-only, not optional); not for nitro pods yet (refused).
+
 Opt-out: pod annotation ``attestmesh.dev/inject: "false"`` or pod label
 ``attestmesh.dev/inject: disabled`` (the label is what the webhook's objectSelector can see).
 
@@ -106,6 +116,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from certs.evidence.claims import Tee
+from certs.evidence.composite import MAX_GPUS
 from xds.kube import (
     ANNOTATION_APP_PORT,
     ANNOTATION_INBOUND_PORT,
@@ -183,6 +194,25 @@ SECRETS_DIR = "/run/attestmesh/secrets"
 _SECRET_NAME = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 INJECTABLE_TEES = (Tee.SIM, Tee.NITRO, Tee.SEV_SNP, Tee.TDX, Tee.SGX)
+# Composite CPU + GPU attestation (certs.evidence.composite): the agent of a confidential VM pod
+# that requests NVIDIA GPUs attaches them to its evidence (``attestmesh agent --gpus N``, N the
+# pod's nvidia.com/gpu limits), when the pod annotates attest-gpus "true" or, unless it says
+# "false", when the injector is configured so (``InjectConfig.attest_gpus``).
+ANNOTATION_ATTEST_GPUS = "attestmesh.dev/attest-gpus"
+NVIDIA_GPU = "nvidia.com/gpu"
+GPU_TEES = (Tee.SEV_SNP, Tee.TDX)
+# The attested control plane (attestmesh.cp_attest): the agent sends evidence only to a control
+# plane whose own evidence the AttestationPolicy in this ConfigMap (key policy.yaml, in the pod's
+# namespace) admits (``--control-plane-policy``). Named by the pod's annotation, else by
+# ``InjectConfig.control_plane_policy``. The volume is not optional: a pod whose ConfigMap is
+# missing waits in ContainerCreating instead of trusting any control plane.
+ANNOTATION_CP_POLICY = "attestmesh.dev/control-plane-policy"
+CP_POLICY_VOLUME = "attestmesh-control-plane-policy"
+CP_POLICY_KEY = "policy.yaml"
+CP_POLICY_DIR = "/etc/attestmesh/control-plane-policy"
+CP_POLICY_FILE = f"{CP_POLICY_DIR}/{CP_POLICY_KEY}"
+_CONFIGMAP_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_WHOLE = re.compile(r"[0-9]{1,4}")
 # The pod's TEE -> ``attestmesh agent --tee``: TDX evidence comes through configfs-tsm.
 AGENT_TEE: Mapping[Tee, str] = {
     Tee.SIM: "sim",
@@ -246,6 +276,12 @@ class InjectConfig:
     sgx_node_labels: Mapping[str, str] = field(
         default_factory=lambda: {"feature.node.kubernetes.io/cpu-security.sgx.enabled": "true"}
     )
+    # composite CPU + GPU: sev-snp/tdx pods requesting nvidia.com/gpu get ``--gpus`` (unless
+    # they annotate attest-gpus "false"); off: only pods annotating "true"
+    attest_gpus: bool = False
+    # the ConfigMap with the control plane's AttestationPolicy every agent checks it against
+    # (None: only pods naming one in their annotation)
+    control_plane_policy: str | None = None
 
     def allowed_tees(self) -> tuple[Tee, ...]:
         return tuple(t for t in INJECTABLE_TEES if t is not Tee.SIM or self.sim is not None)
@@ -400,8 +436,12 @@ _POD_ENV = [
 _TRUST_MOUNT = {"name": TRUST_VOLUME, "mountPath": TRUST_DIR, "readOnly": True}
 
 
-def agent_command(tee: Tee, cfg: InjectConfig) -> list[str]:
-    """``attestmesh agent`` as the injected agent runs it ($(VAR)s expanded by the kubelet)."""
+def agent_command(
+    tee: Tee, cfg: InjectConfig, *, gpus: int = 0, control_plane_policy: bool = False
+) -> list[str]:
+    """``attestmesh agent`` as the injected agent runs it ($(VAR)s expanded by the kubelet).
+    ``gpus``: attach that many GPUs; ``control_plane_policy``: check the control plane against
+    the mounted policy first."""
     cmd = [
         *cfg.attestmesh_command,
         "agent",
@@ -421,6 +461,13 @@ def agent_command(tee: Tee, cfg: InjectConfig) -> list[str]:
     if tee is Tee.SIM and cfg.sim is not None:
         key = f"{SIM_DIR}/{cfg.sim.key}"
         cmd += ["--sim-platform-key", key, "--sim-measurement", cfg.sim.measurement]
+    if gpus:
+        cmd += ["--gpus", str(gpus)]
+    if control_plane_policy:
+        cmd += [
+            "--control-plane-policy", CP_POLICY_FILE,
+            "--control-plane-trust-domain", cfg.trust_domain,
+        ]  # fmt: skip
     return cmd
 
 
@@ -452,7 +499,9 @@ def bootstrap_command(cfg: InjectConfig) -> list[str]:
     ]
 
 
-def _agent_container(tee: Tee, cfg: InjectConfig) -> dict[str, Any]:
+def _agent_container(
+    tee: Tee, cfg: InjectConfig, gpus: int = 0, cp_policy: str | None = None
+) -> dict[str, Any]:
     mounts = [
         {"name": SDS_VOLUME, "mountPath": SDS_DIR},
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
@@ -466,10 +515,12 @@ def _agent_container(tee: Tee, cfg: InjectConfig) -> dict[str, Any]:
         limits = {**limits, **extended}
     elif tee is Tee.SIM:
         mounts.append({"name": SIM_VOLUME, "mountPath": SIM_DIR, "readOnly": True})
+    if cp_policy is not None:
+        mounts.append({"name": CP_POLICY_VOLUME, "mountPath": CP_POLICY_DIR, "readOnly": True})
     return {
         "name": AGENT_CONTAINER,
         "image": cfg.agent_image,
-        "command": agent_command(tee, cfg),
+        "command": agent_command(tee, cfg, gpus=gpus, control_plane_policy=cp_policy is not None),
         "restartPolicy": "Always",
         "env": copy.deepcopy(_POD_ENV),
         "volumeMounts": mounts,
@@ -676,7 +727,14 @@ def _volumes(tee: Tee, cfg: InjectConfig) -> list[dict[str, Any]]:
     return vols
 
 
-def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig) -> None:
+def _inject(
+    pod: dict[str, Any],
+    tee: Tee,
+    inbound_port: int,
+    cfg: InjectConfig,
+    gpus: int = 0,
+    cp_policy: str | None = None,
+) -> None:
     meta = pod.setdefault("metadata", {})
     spec = pod["spec"]
     annotations = meta.get("annotations")
@@ -692,11 +750,16 @@ def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig)
     else:
         ours = [
             _bootstrap_container(cfg),
-            _agent_container(tee, cfg),
+            _agent_container(tee, cfg, gpus, cp_policy),
             _envoy_container(cfg, inbound_port),
         ]
     spec["initContainers"] = [*ours, *init]
     spec["volumes"] = [*(spec.get("volumes") or []), *_volumes(tee, cfg)]
+    if cp_policy is not None:
+        items = [{"key": CP_POLICY_KEY, "path": CP_POLICY_KEY}]
+        spec["volumes"].append(
+            {"name": CP_POLICY_VOLUME, "configMap": {"name": cp_policy, "items": items}}
+        )
     if secrets := requested_secrets(annotations):
         _inject_secrets(spec, secrets, cfg)
     if tee is Tee.NITRO:
@@ -717,6 +780,71 @@ def _inject(pod: dict[str, Any], tee: Tee, inbound_port: int, cfg: InjectConfig)
     elif tee is Tee.SGX:
         _merge_required_affinity(spec, cfg.sgx_node_labels)
         _tolerate_tee_hosts(spec)
+
+
+def requested_gpus(spec: Mapping[str, Any]) -> int:
+    """The NVIDIA GPUs the pod's containers request (their nvidia.com/gpu limits, else
+    requests). ValueError: a count that is not a whole number."""
+    total = 0
+    for c in spec.get("containers") or []:
+        res = c.get("resources") if isinstance(c, Mapping) else None
+        if not isinstance(res, Mapping):
+            continue
+        for kind in ("limits", "requests"):
+            amounts = res.get(kind)
+            if isinstance(amounts, Mapping) and NVIDIA_GPU in amounts:
+                raw = amounts[NVIDIA_GPU]
+                if isinstance(raw, bool) or not _WHOLE.fullmatch(str(raw)):
+                    raise ValueError(f"{NVIDIA_GPU} {kind} must be a whole number, not {raw!r}")
+                total += int(str(raw))
+                break
+    return total
+
+
+def _gpu_plan(
+    annotations: Mapping[str, Any], spec: Mapping[str, Any], tee: Tee, cfg: InjectConfig
+) -> tuple[int, str | None]:
+    """How many GPUs the agent attaches, or why the pod cannot be injected."""
+    raw = annotations.get(ANNOTATION_ATTEST_GPUS)
+    if raw is not None and str(raw).lower() not in ("true", "false"):
+        return 0, f'{ANNOTATION_ATTEST_GPUS} must be "true" or "false", not {raw!r}'
+    asked = raw is not None and str(raw).lower() == "true"
+    if not (asked or (raw is None and cfg.attest_gpus)):
+        return 0, None
+    try:
+        gpus = requested_gpus(spec)
+    except ValueError as exc:
+        return 0, str(exc)
+    if tee not in GPU_TEES or gpus == 0:
+        if not asked:
+            return 0, None  # the injector's default: only confidential VMs with GPUs
+        if tee not in GPU_TEES:
+            return 0, (
+                f"{ANNOTATION_ATTEST_GPUS}: GPUs attach to a confidential VM's evidence "
+                f"({_tee_list(GPU_TEES)}), not {tee.value}"
+            )
+        return 0, f"{ANNOTATION_ATTEST_GPUS} is true but no container requests {NVIDIA_GPU}"
+    if gpus > MAX_GPUS:
+        return 0, f"{gpus} {NVIDIA_GPU} requested; at most {MAX_GPUS} attach to one attestation"
+    return gpus, None
+
+
+def _cp_policy_plan(
+    annotations: Mapping[str, Any], spec: Mapping[str, Any], tee: Tee, cfg: InjectConfig
+) -> tuple[str | None, str | None]:
+    """The ConfigMap with the control plane's policy (None: none), or why the pod cannot be
+    injected."""
+    raw = annotations.get(ANNOTATION_CP_POLICY)
+    name = cfg.control_plane_policy if raw is None else str(raw)
+    if name is None:
+        return None, None
+    if len(name) > 253 or not _CONFIGMAP_NAME.fullmatch(name):
+        return None, f"{ANNOTATION_CP_POLICY}: {name!r} is not a ConfigMap name"
+    if tee is Tee.NITRO:
+        return None, "a control-plane policy is not supported for nitro pods yet"
+    if CP_POLICY_VOLUME in _names(spec.get("volumes")):
+        return None, f"the volume name {CP_POLICY_VOLUME} is reserved for the sidecar"
+    return name, None
 
 
 def requested_secrets(annotations: Mapping[str, Any]) -> list[str]:
@@ -849,6 +977,13 @@ def mutate(
         return MutationResult(
             Decision.INVALID_POD, message=f"attestmesh cannot inject {who}: {problem}"
         )
+    gpus, problem = _gpu_plan(annotations, spec, tee, config)
+    if problem is None:
+        cp_policy, problem = _cp_policy_plan(annotations, spec, tee, config)
+    if problem is not None:
+        return MutationResult(
+            Decision.INVALID_POD, message=f"attestmesh cannot inject {who}: {problem}"
+        )
     raw_inbound = annotations.get(ANNOTATION_INBOUND_PORT)
     inbound, app_port = pod_ports(pod)
     if raw_inbound is None:
@@ -873,7 +1008,7 @@ def mutate(
             f"port {inbound} and Envoy admin port {config.envoy_admin_port} must differ",
         )
     mutated = copy.deepcopy(dict(pod))
-    _inject(mutated, tee, inbound, config)
+    _inject(mutated, tee, inbound, config, gpus, cp_policy)
     patch = tuple(build_patch(dict(pod), mutated))
     return MutationResult(Decision.INJECTED, patch, f"injected for {tee.value}", tee)
 
