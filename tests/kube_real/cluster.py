@@ -36,7 +36,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "tools" / "kube-build"
-SERVERS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
+SERVERS = (
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "apiextensions-apiserver",
+    "etcd",
+)
 
 
 def cache_dir() -> Path:
@@ -518,6 +524,111 @@ class Cluster:
             "kube-apiserver",
             "etcd",
         ):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop()
+
+
+@dataclass
+class CrdServer:
+    """etcd + apiextensions-apiserver 1.36 (CRDs and custom resources only, CEL validation
+    rules enforced), client-certificate authentication (``pki``'s CA), in ``workdir``; ``core``:
+    an admin kubeconfig of the kube-apiserver it delegates to (namespaces, token and access
+    reviews)."""
+
+    workdir: Path
+    core: Path
+    pki: Pki
+    bins: Path = field(default_factory=bin_dir)
+    api_port: int = field(default_factory=free_port)
+    etcd_port: int = field(default_factory=free_port)
+    etcd_peer_port: int = field(default_factory=free_port)
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    def start(self) -> None:
+        pki_dir = self.workdir / "pki"
+        pki_dir.mkdir(parents=True, exist_ok=True)
+
+        def write(name: str, data: bytes) -> Path:
+            path = pki_dir / name
+            path.write_bytes(data)
+            path.chmod(0o600)
+            return path
+
+        cert, key = self.pki.issue("apiextensions-apiserver", server=True)
+        crt, keyf = write("server.crt", cert), write("server.key", key)
+        ca = write("ca.crt", self.pki.ca_pem)
+        admin = self.pki.issue("test-admin", ("system:masters",))
+        self.admin = self.workdir / "admin.kubeconfig"
+        self.admin.write_text(
+            yaml.safe_dump(kubeconfig(self.server, self.pki.ca_pem, user="test-admin", cert=admin))
+        )
+        etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        self.procs["etcd"] = Proc(
+            "etcd",
+            [str(self.bins / "etcd"), "--data-dir", str(self.workdir / "etcd"),
+             "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"default={peer}", "--log-level", "warn"],
+            self.workdir / "etcd.log",
+        )  # fmt: skip
+        self.procs["apiextensions-apiserver"] = Proc(
+            "apiextensions-apiserver",
+            [str(self.bins / "apiextensions-apiserver"), f"--etcd-servers={etcd_url}",
+             "--bind-address=127.0.0.1", f"--secure-port={self.api_port}",
+             f"--cert-dir={pki_dir}", f"--tls-cert-file={crt}", f"--tls-private-key-file={keyf}",
+             f"--client-ca-file={ca}", "--authentication-skip-lookup",
+             # the core API it delegates to (namespaces for admission, token reviews, access
+             # reviews), as under a kube-apiserver's aggregator; client certificates are checked
+             # locally and system:masters is always allowed
+             f"--kubeconfig={self.core}", f"--authentication-kubeconfig={self.core}",
+             f"--authorization-kubeconfig={self.core}",
+             # their informers watch admissionregistration v1 policies a 1.20 core does not
+             # serve, and would keep every request 'not yet ready'
+             "--disable-admission-plugins=ValidatingAdmissionPolicy,MutatingAdmissionPolicy",
+             "--enable-priority-and-fairness=false", "--v=1"],
+            self.workdir / "apiextensions-apiserver.log",
+        )  # fmt: skip
+        probe_cert, probe_key = write("probe.crt", admin[0]), write("probe.key", admin[1])
+        ctx = ssl.create_default_context(cadata=self.pki.ca_pem.decode())
+        ctx.load_cert_chain(probe_cert, probe_key)
+
+        def wait(what: str, ok: Any, proc: str) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if not self.procs[proc].alive():
+                    raise RuntimeError(f"{proc} exited:\n{self.procs[proc].tail()}")
+                with contextlib.suppress(Exception):
+                    if ok():
+                        return
+                time.sleep(0.1)
+            raise RuntimeError(f"{what} not ready in 60s:\n{self.procs[proc].tail()}")
+
+        def etcd_ok() -> bool:
+            with urllib.request.urlopen(etcd_url + "/health", timeout=2) as r:  # noqa: S310
+                return bool(json.loads(r.read()).get("health") == "true")
+
+        def livez() -> bool:  # /readyz never turns green: no core API to reach
+            req = urllib.request.Request(self.server + "/livez")  # noqa: S310 (loopback)
+            with urllib.request.urlopen(req, context=ctx, timeout=2) as r:  # noqa: S310
+                return bool(r.status == 200)
+
+        try:
+            self.procs["etcd"].start()
+            wait("etcd", etcd_ok, "etcd")
+            self.procs["apiextensions-apiserver"].start()
+            wait("apiextensions-apiserver /livez", livez, "apiextensions-apiserver")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for name in ("apiextensions-apiserver", "etcd"):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop()
