@@ -129,9 +129,7 @@ def parse_endpoints(values: str | Iterable[str]) -> tuple[ControlPlaneEndpoint, 
     return tuple(out)
 
 
-def targets_of(
-    endpoint: ControlPlaneEndpoint, addresses: Sequence[str]
-) -> tuple[Target, ...]:
+def targets_of(endpoint: ControlPlaneEndpoint, addresses: Sequence[str]) -> tuple[Target, ...]:
     """The targets of ``endpoint`` given its resolved ``addresses`` (duplicates dropped); an IP
     endpoint is its own single target."""
     if endpoint.is_ip:
