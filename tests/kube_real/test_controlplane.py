@@ -293,6 +293,14 @@ async def test_policies_pods_token_review_and_quarantine_through_the_server(
             return pod is not None and pod["metadata"].get("deletionTimestamp")
 
         await until(terminating, what="evicted (Terminating)")
+        # 1.20 answered policy/v1 with 400 and took policy/v1beta1 (the server's audit log)
+        evictions = [
+            e["responseStatus"]["code"]
+            for e in env.cluster.audit_events(SA_USER)
+            if (e.get("objectRef") or {}).get("subresource") == "eviction"
+            and e["objectRef"].get("name") == "web-0"
+        ]
+        assert evictions == [400, 201], evictions
         # what the kubelet does once the containers stopped: the final delete
         await asyncio.to_thread(
             admin.call,
