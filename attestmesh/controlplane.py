@@ -812,7 +812,12 @@ class ControlPlane:
             self._record_deferrals(changes, keep, attempt + 1)
             return None
 
-        self._apply(state, events, changed, again if attempt < QUARANTINE_RETRIES else None)
+        retry = again if attempt < QUARANTINE_RETRIES else None
+        try:
+            self._apply(state, events, changed, retry)
+        except StoreConflict:  # a synchronous store: the stored rows are adopted, and
+            if retry is None:  # (above, through ``again``) it was decided again on them
+                log.warning("TCB deferrals not recorded after %d conflicts", attempt)
 
     def check_deadlines(self) -> list[str]:
         """Quarantine attested workloads that missed their re-attestation deadline, and those

@@ -319,7 +319,9 @@ async def test_a_policy_raising_its_tcb_bar_follows_on_tcb_change(tmp_path: Path
     lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
     env = make_env(tmp_path, lenient)
     await env.attest("web-1", fx.build_collateral(env.pki, tdx=True, levels=OUT_OF_DATE))
-    assert env.cp.state.get("web-1").attestation.claims.tcb_status == "OutOfDate"
+    record = env.cp.state.get("web-1").attestation
+    assert record is not None and record.claims is not None
+    assert record.claims.tcb_status == "OutOfDate"
     # the operator stops accepting OutOfDate: a TCB change, so the grace period applies
     env.cp.set_policies([_policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")])
     assert env.cp.status_of("web-1") is Status.ATTESTED

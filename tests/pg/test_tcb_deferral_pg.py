@@ -4,6 +4,7 @@ one stops quarantines at that deadline, not a grace period later."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import pytest
 
 import tests.unit.evidence.dcap_fixtures as fx
 from tests.component.test_tcb_monitor import OUT_OF_DATE, _policy, make_env
-from tests.unit.fixtures_core import TRUST_DOMAIN
+from tests.unit.fixtures_core import TRUST_DOMAIN, registration
 from xds.state import EventKind, Status, Trigger
+from xds.store import GroupCommitStore
 from xds.store_pg import PG_SCHEMA_VERSION, PostgresStore
 
 pytestmark = pytest.mark.integration
@@ -50,4 +52,48 @@ async def test_another_replica_quarantines_at_the_deadline_the_first_decided(
     assert stored.status is Status.QUARANTINED and stored.tcb_deferral is None
     (last,) = b.store.events("web-1", limit=1)
     assert last.kind is EventKind.QUARANTINED and last.trigger is Trigger.TCB_CHANGED
+    b.store.close()
+
+
+@pytest.mark.parametrize("group_commit", [False, True])
+async def test_a_deferral_decided_on_a_stale_row_is_decided_again_on_the_stored_one(
+    tmp_path: Path, pg_url: str, group_commit: bool
+) -> None:
+    """Replica B changed the workload's row (its labels) after A last read it: A's deferral
+    batch is refused by the database, A adopts the stored row and records the deferral on it
+    (B's change is kept, the deadline is the one A decided)."""
+    lenient = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
+    strict = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    # the production wiring: writes through the group-commit thread, conflicts resolved in
+    # the write's callback; or the synchronous store (the conflict raised in the call)
+    opened = PostgresStore(pg_url)
+    store = GroupCommitStore(opened) if group_commit else opened
+    a = make_env(tmp_path, lenient, store=store)
+    await a.attest("web-1", fx.build_collateral(a.pki, tdx=True, levels=OUT_OF_DATE))
+    await a.cp.flushed()
+    b = make_env(tmp_path, lenient, store=PostgresStore(pg_url), like=a)
+    b.cp.register([registration("web-1", labels={"team": "ml"})])
+    assert a.cp.state.get("web-1").registration.labels == {}  # A has not seen it (no feed)
+    a.cp.set_policies([strict])
+    for _ in range(3):  # the refused batch, then the one decided again
+        await a.cp.flushed()
+        await asyncio.sleep(0)
+    assert opened.stats().conflicts == 1  # refused once, then recorded on the stored row
+    stored = a.store.load(TRUST_DOMAIN).get("web-1")
+    assert stored.registration.labels == {"team": "ml"}
+    assert stored.tcb_deferral is not None
+    assert stored.tcb_deferral.due == a.clock() + timedelta(minutes=10)
+    assert a.cp.state.get("web-1") == stored  # A's view is the stored row
+    assert (
+        a.metrics.registry.get_sample_value(
+            "attestmesh_tcb_reappraisals_total", {"outcome": "deferred"}
+        )
+        == 1.0
+    )
+    a.clock.advance(minutes=10)
+    a.cp.check_deadlines()
+    await a.cp.flushed()
+    assert a.store.load(TRUST_DOMAIN).get("web-1").status is Status.QUARANTINED
+    a.store.close()
     b.store.close()
