@@ -82,6 +82,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         inject = InjectConfig(
             control_plane_url=f"https://{service}.{namespace}.svc:{args.api_port}",
             xds_address=f"{service}.{namespace}.svc:{args.xds_port}",
+            secret_url=f"https://{service}.{namespace}.svc:{args.secret_port}",
             control_plane_namespace=namespace,
         )
         if args.sidecar_image:
@@ -110,6 +111,9 @@ def _controlplane(args: argparse.Namespace) -> int:
             inject=inject,
         )
         server_names = (*kube_settings.service_dns_names(), "localhost")
+        if args.kbs_port is not None:  # KBS clients come through their own Service
+            kbs = dataclasses.replace(kube_settings, service_name=f"{service}-kbs")
+            server_names = (*server_names, *kbs.service_dns_names())
 
     from attestmesh import cp_attest
     from attestmesh.listen import limits_from_args
