@@ -5,6 +5,8 @@ one stops quarantines at that deadline, not a grace period later."""
 from __future__ import annotations
 
 import asyncio
+import queue
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from tests.component.test_tcb_monitor import OUT_OF_DATE, _policy, make_env
 from tests.unit.fixtures_core import TRUST_DOMAIN, registration
 from xds.state import EventKind, Status, Trigger
 from xds.store import GroupCommitStore
-from xds.store_pg import PG_SCHEMA_VERSION, PostgresStore
+from xds.store_pg import PG_SCHEMA_VERSION, Changes, PostgresStore, follow
 
 pytestmark = pytest.mark.integration
 
@@ -97,3 +99,39 @@ async def test_a_deferral_decided_on_a_stale_row_is_decided_again_on_the_stored_
     assert a.store.load(TRUST_DOMAIN).get("web-1").status is Status.QUARANTINED
     a.store.close()
     b.store.close()
+
+
+async def test_a_running_replica_learns_the_deadline_from_the_change_feed(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """B runs beside A and follows the database (its change feed): the deferral A records
+    reaches B as a row; when A stops before the deadline, B quarantines at it."""
+    lenient = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    lenient["spec"]["referenceValues"]["tdx"]["acceptedTcbStatuses"] = ["UpToDate", "OutOfDate"]
+    strict = _policy(onTcbChange="quarantine", tcbChangeGracePeriod="10m")
+    a = make_env(tmp_path, lenient, store=PostgresStore(pg_url, origin="a"))
+    await a.attest("web-1", fx.build_collateral(a.pki, tdx=True, levels=OUT_OF_DATE))
+    b_store = GroupCommitStore(PostgresStore(pg_url, origin="b"))  # as the CLI wires it
+    b = make_env(tmp_path, strict, store=b_store, like=a)
+    got: queue.Queue[Changes] = queue.Queue()
+    _, feed = follow(b_store, TRUST_DOMAIN, got.put)
+    assert feed is not None
+    feed.start()
+    try:
+        a.cp.set_policies([strict])
+        deadline = a.clock() + timedelta(minutes=10)
+        until = time.monotonic() + 10
+        while b.cp.state.get("web-1").tcb_deferral is None:
+            b.cp.adopt_changes(got.get(timeout=max(0.01, until - time.monotonic())))
+        assert b.cp.state.get("web-1").tcb_deferral == a.cp.state.get("web-1").tcb_deferral
+    finally:
+        feed.close()
+    a.store.close()  # A goes away before the deadline
+    b.clock.advance(minutes=9, seconds=59)
+    assert b.cp.check_deadlines() == [] and b.cp.status_of("web-1") is Status.ATTESTED
+    b.clock.advance(seconds=1)
+    assert b.clock() == deadline
+    b.cp.check_deadlines()
+    await b.cp.flushed()
+    assert b.store.load(TRUST_DOMAIN).get("web-1").status is Status.QUARANTINED
+    b_store.close()
