@@ -3,7 +3,8 @@
 One row per workload: namespace, TEE, a short measurement, status, when its newest certificate
 expires, when it last attested, the xDS sync state of its node per type (``xds.sync_status``:
 SYNCED, STALE, NACKED, NOT SENT; ``-`` without an open stream) and, when quarantined, the
-trigger and reason. The control plane serves it on its ops port at ``/v1/admin/status`` (bearer
+trigger and reason (or, while a TCB change's grace period runs, when it will be quarantined
+unless it re-attests). The control plane serves it on its ops port at ``/v1/admin/status`` (bearer
 token, loopback: in Kubernetes mode reach it with ``kubectl port-forward``); ``--json`` prints
 the rows as served.
 """
@@ -43,7 +44,7 @@ def status_rows(
     rows = []
     for name in sorted(state.workloads):
         w = state.workloads[name]
-        reg, rec, q = w.registration, w.attestation, w.quarantine
+        reg, rec, q, d = w.registration, w.attestation, w.quarantine, w.tcb_deferral
         newest = max((c.not_after for c in w.certificates), default=None)
         node = sync.get(name)
         rows.append(
@@ -67,6 +68,10 @@ def status_rows(
                 "quarantine": None
                 if q is None
                 else {"trigger": q.trigger.value, "reason": q.reason, "at": q.at.isoformat()},
+                # a TCB change's deferred quarantine: at ``at`` unless it re-attests first
+                "tcb_quarantine": None
+                if d is None
+                else {"at": d.due.isoformat(), "reason": d.reason, "revoked": d.revoked},
             }
         )
     return rows
@@ -98,6 +103,11 @@ def render(rows: list[dict[str, Any]], now: datetime, out: TextIO) -> None:
         attested = r["last_attested"]
         xds = r["xds"] if r["xds_connected"] else {}
         q = r["quarantine"]
+        d = r.get("tcb_quarantine")
+        pending = ""
+        if d:
+            due = (datetime.fromisoformat(d["at"]) - now).total_seconds()
+            pending = f"tcb: in {_ago(due)} unless re-attested: {d['reason']}"
         table.append(
             [
                 r["name"],
@@ -110,7 +120,7 @@ def render(rows: list[dict[str, Any]], now: datetime, out: TextIO) -> None:
                 if attested
                 else "-",
                 *(xds.get(t) or sync_status.DISCONNECTED for t in XDS_TYPES),
-                f"{q['trigger']}: {q['reason']}" if q else "",
+                f"{q['trigger']}: {q['reason']}" if q else pending,
             ]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]

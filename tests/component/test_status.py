@@ -39,7 +39,7 @@ from tests.unit.xds.meshfixture import NOW, two_workloads
 from xds import sync_status
 from xds.cache import SnapshotCache
 from xds.resources import TypeUrl
-from xds.state import Status, Trigger, quarantine
+from xds.state import Status, TcbDeferral, Trigger, quarantine, set_tcb_deferrals
 
 
 def test_rows_show_tee_measurement_certificate_attestation_and_quarantine() -> None:
@@ -66,6 +66,29 @@ def test_rows_show_tee_measurement_certificate_attestation_and_quarantine() -> N
     assert "NACKED" in lines[2] and "tcb_changed: tcb_status_not_accepted: OutOfDate" in lines[1]
     assert status_cmd.short_measurement({}) == "-"
     assert status_cmd.short_measurement({"mrtd": "ab" * 48}) == "ab" * 6
+
+
+def test_rows_show_a_deferred_tcb_quarantine() -> None:
+    state = two_workloads()
+    w = state.get("frontend")
+    assert w.attestation is not None
+    deferral = TcbDeferral(NOW + timedelta(minutes=30), w.attestation.evidence_sha256,
+                           "tcb_status_not_accepted: OutOfDate", "tcb_status_not_accepted")  # fmt: skip
+    state, changed = set_tcb_deferrals(state, {"frontend": deferral})
+    assert changed == ["frontend"]
+    rows = status_cmd.status_rows(state, {}, NOW + timedelta(minutes=5))
+    front, back = sorted(rows, key=lambda r: r["name"], reverse=True)
+    assert front["status"] == "attested" and front["quarantine"] is None
+    assert front["tcb_quarantine"] == {
+        "at": (NOW + timedelta(minutes=30)).isoformat(),
+        "reason": "tcb_status_not_accepted: OutOfDate",
+        "revoked": False,
+    }
+    assert back["tcb_quarantine"] is None
+    out = io.StringIO()
+    status_cmd.render(rows, NOW + timedelta(minutes=5), out)
+    (line,) = [ln for ln in out.getvalue().splitlines() if ln.startswith("frontend")]
+    assert line.endswith("tcb: in 25m00s unless re-attested: tcb_status_not_accepted: OutOfDate")
 
 
 async def test_the_ads_server_records_each_nodes_sync_state_per_type() -> None:
