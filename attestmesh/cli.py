@@ -52,6 +52,14 @@ def _check_mode(args: argparse.Namespace) -> None:
             problems.append("--webhook-cert and --webhook-key go together")
         if args.webhook_port == 0 and (args.webhook_cert or args.webhook_configuration):
             problems.append("--webhook-port 0 disables the webhook; drop its other flags")
+        if args.inject_control_plane_policy is not None:
+            from sidecar.inject import is_configmap_name
+
+            if not is_configmap_name(args.inject_control_plane_policy):
+                problems.append(
+                    f"--inject-control-plane-policy {args.inject_control_plane_policy!r} is "
+                    "not a ConfigMap name"
+                )
     else:
         if args.policy is None:
             problems.append("--policy is required in local mode (or run with --kubernetes)")

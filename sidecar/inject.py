@@ -829,6 +829,11 @@ def _gpu_plan(
     return gpus, None
 
 
+def is_configmap_name(name: str) -> bool:
+    """A valid ConfigMap name (a DNS-1123 subdomain)."""
+    return len(name) <= 253 and _CONFIGMAP_NAME.fullmatch(name) is not None
+
+
 def _cp_policy_plan(
     annotations: Mapping[str, Any], spec: Mapping[str, Any], tee: Tee, cfg: InjectConfig
 ) -> tuple[str | None, str | None]:
@@ -838,7 +843,7 @@ def _cp_policy_plan(
     name = cfg.control_plane_policy if raw is None else str(raw)
     if name is None:
         return None, None
-    if len(name) > 253 or not _CONFIGMAP_NAME.fullmatch(name):
+    if not is_configmap_name(name):
         return None, f"{ANNOTATION_CP_POLICY}: {name!r} is not a ConfigMap name"
     if tee is Tee.NITRO:
         return None, "a control-plane policy is not supported for nitro pods yet"

@@ -228,3 +228,9 @@ def test_the_controlplane_cli_sets_the_injector_options(tmp_path: Path) -> None:
         _check_mode(local)
     assert "--inject-attest-gpus needs --kubernetes" in str(refused.value)
     assert "--inject-control-plane-policy needs --kubernetes" in str(refused.value)
+    bad = build_parser().parse_args(
+        ["controlplane", "--state-dir", str(tmp_path), "--kubernetes",
+         "--inject-control-plane-policy", "CP_Policy"]
+    )  # fmt: skip
+    with pytest.raises(PolicyError, match="'CP_Policy' is not a ConfigMap name"):
+        _check_mode(bad)
