@@ -125,13 +125,16 @@ class AdsSession:
         self._nonce = 0
         self.nacks: list[tuple[TypeUrl, str]] = []  # (type, Envoy's message), newest last
 
-    def on_request(self, req: DiscoveryRequest) -> None:
+    def on_request(self, req: DiscoveryRequest) -> bool:
+        """Take in a request; False when it cannot make anything due (an ACK or NACK of the
+        names already subscribed): the stream need not look for responses."""
         try:
             type_url = TypeUrl(req.type_url)
         except ValueError:
             log.warning("node %s requested unsupported type %r", self.node, req.type_url)
-            return
+            return False
         st = self._types[type_url]
+        before = (st.subscribed, st.names)
         st.subscribed = True
         if type_url not in WILDCARD_TYPES:
             st.names = frozenset(req.resource_names)
@@ -144,6 +147,7 @@ class AdsSession:
         if st.eds_after_cds:
             st.eds_after_cds = False
             st.force = True
+        return st.force or before != (st.subscribed, st.names)
 
     def _classify(self, type_url: TypeUrl, req: DiscoveryRequest, sent: _Sent) -> None:
         if req.error_detail is not None and req.version_info != sent.version:
@@ -237,18 +241,23 @@ class DeltaSession:
         self._nonce = 0
         self.nacks: list[tuple[TypeUrl, str]] = []  # (type, Envoy's message), newest last
 
-    def on_request(self, req: DeltaDiscoveryRequest) -> None:
+    def on_request(self, req: DeltaDiscoveryRequest) -> bool:
+        """Take in a request; False when it cannot make anything due (an ACK or NACK that
+        changes no subscription): the stream need not look for responses."""
         try:
             type_url = TypeUrl(req.type_url)
         except ValueError:
             log.warning("node %s requested unsupported type %r", self.node, req.type_url)
-            return
+            return False
         st = self._types.get(type_url)
         if req.response_nonce and st is not None:
             sent = st.sent.pop(req.response_nonce, None)  # answered once: then forgotten
             if sent is not None:
                 self._classify(type_url, st, req, sent)
         subscribe, unsubscribe = req.resource_names_subscribe, req.resource_names_unsubscribe
+        # an ACK or NACK on a known type with no subscription change: nothing becomes due (a
+        # NACK's versions are rolled back and not offered again)
+        answer = st is None or not req.response_nonce or bool(subscribe or unsubscribe)
         if st is None:
             st = self._types[type_url] = _DeltaType()
             # the legacy wildcard: a first request naming nothing (Envoy's CDS and LDS)
@@ -290,6 +299,7 @@ class DeltaSession:
                 st.due.add(name)  # still in the wildcard or not: the client must be told
             else:
                 st.have.pop(name, None)
+        return answer
 
     def _classify(
         self, type_url: TypeUrl, st: _DeltaType, req: DeltaDiscoveryRequest, sent: _DeltaSent
@@ -559,7 +569,7 @@ _ReqIn = TypeVar("_ReqIn", contravariant=True)
 
 
 class _Session(Protocol[_ReqIn]):
-    def on_request(self, req: _ReqIn, /) -> None: ...
+    def on_request(self, req: _ReqIn, /) -> bool: ...
 
     def responses(self, snapshot: Snapshot, /) -> Iterator[bytes]: ...
 
@@ -623,8 +633,9 @@ async def _serve(
                 nonlocal closed
                 try:
                     async for req in stream:
-                        session.on_request(req)
-                        watch.changed.set()
+                        # an ACK wakes nothing: only a request that can make a response due
+                        if session.on_request(req):
+                            watch.changed.set()
                 except StreamTerminatedError:
                     pass  # the peer reset the stream: nothing more to send
                 closed = True

@@ -670,3 +670,77 @@ async def test_mtls_certificate_for_another_workload_is_refused(tmp_path: Path) 
         with pytest.raises(GRPCError) as exc:
             await first_delta_response(port, client_context(ca, tmp_path, "frontend"), "backend")
         assert exc.value.status is grpclib.const.Status.PERMISSION_DENIED
+
+
+class CountingCache(SnapshotCache):
+    """A cache that counts how often a stream looked for its node's snapshot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = 0
+
+    def get(self, node: str) -> Snapshot | None:
+        self.gets += 1
+        return super().get(node)
+
+
+async def test_an_ack_wakes_nothing_a_subscription_change_does() -> None:
+    """Per push the stream looks for responses once: the ACK that follows cannot make anything
+    due, so it does not wake the sender (at N=10,000 a quarantine's ~5,000 ACKs each cost a
+    wake, a re-authorization and a diff of every type). A NACK wakes nothing either (its
+    versions are rolled back, not resent); a subscription change and a new type do."""
+    cache = CountingCache()
+    s = snap(three_workloads())
+    cache.set_snapshot("frontend", s)
+    async with envoy(cache, Metrics()) as e:
+        await subscribe_all(e, s)
+        cache.set_snapshot("frontend", replaced(s, EDS, out_backend=endpoints("out|backend", 1)))
+        eds = await e.recv()
+        before = cache.gets
+        await e.ack(eds)
+        await e.silent()
+        assert cache.gets == before  # the ACK: no wake
+        cache.set_snapshot("frontend", replaced(s, EDS, out_backend=endpoints("out|backend", 2)))
+        nacked = await e.recv(apply=False)
+        before = cache.gets
+        await e.send(EDS, nonce=nacked.nonce, error="rejected")
+        await e.silent()
+        assert cache.gets == before  # the NACK: no wake, nothing resent
+        await e.send(EDS, ["out|cache"])  # subscribed again: answered
+        resp = await e.recv()
+        assert sent(resp) == ["out|cache"] and cache.gets == before + 1
+
+
+def test_sessions_say_whether_a_request_can_make_a_response_due() -> None:
+    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
+
+    from xds.server import AdsSession
+
+    s = snap(three_workloads())
+    d = DeltaSession("frontend", Metrics(), lambda: 0.0, version_of)
+    assert d.on_request(DeltaDiscoveryRequest(type_url=CDS)) is True  # a new type
+    (cds,) = d.responses(s)
+    nonce = DeltaDiscoveryResponse.parse(cds).nonce
+    assert d.on_request(DeltaDiscoveryRequest(type_url=CDS, response_nonce=nonce)) is False
+    assert d.on_request(DeltaDiscoveryRequest(type_url=CDS)) is True  # no nonce: a request
+    assert d.on_request(DeltaDiscoveryRequest(type_url="type.googleapis.com/x")) is False
+    assert (
+        d.on_request(
+            DeltaDiscoveryRequest(
+                type_url=CDS, response_nonce=nonce, resource_names_subscribe=["a"]
+            )
+        )
+        is True
+    )
+    a = AdsSession("frontend", Metrics(), lambda: 0.0)
+    assert a.on_request(DiscoveryRequest(type_url=CDS)) is True
+    (sotw,) = a.responses(s)
+    nonce = DiscoveryResponse.parse(sotw).nonce
+    ack = DiscoveryRequest(type_url=CDS, response_nonce=nonce, version_info=s.version(CDS))
+    assert a.on_request(ack) is False
+    assert a.on_request(DiscoveryRequest(type_url=EDS, resource_names=["out|backend"])) is True
+    assert len(list(a.responses(s))) == 1  # the EDS answer (CDS is unchanged)
+    eds_ack = DiscoveryRequest(type_url=EDS, response_nonce="9", resource_names=["out|backend"])
+    assert a.on_request(eds_ack) is False  # same names, an unknown nonce: nothing due
+    renamed = DiscoveryRequest(type_url=EDS, response_nonce="9", resource_names=["out|cache"])
+    assert a.on_request(renamed) is True  # the names changed
