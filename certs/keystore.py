@@ -45,8 +45,8 @@ _PATH_ATTRS = frozenset(
         "slot-manufacturer", "object", "type", "id",
     }
 )  # fmt: skip
-_QUERY_ATTRS = frozenset(
-    {"pin-source", "pin-value", "module-name", "module-path", "x-sign-gil"}  # x-: RFC 7512 3.3
+_QUERY_ATTRS = frozenset(  # x-: vendor attributes (RFC 7512 3.3)
+    {"pin-source", "pin-value", "module-name", "module-path", "x-sign-gil", "x-sign-key"}
 )
 # RFC 7512 pk11-pchar (path values) and pk11-qchar (query values: "/" and "?", not "&")
 _PCHAR = re.compile(r"(?:[A-Za-z0-9\-._~:\[\]@!$'()*+,=&]|%[0-9A-Fa-f]{2})*")
@@ -216,7 +216,8 @@ class Pkcs11PrivateKey(ec.EllipticCurvePrivateKey):
     def __init__(self, store: Pkcs11KeyStore, handle: Any, public: ec.EllipticCurvePublicKey,
                  key_id: bytes, label: str) -> None:  # fmt: skip
         self._store = store
-        self._handle = handle
+        self._handle = handle  # the token object
+        self._signer = store.signing_handle(handle)  # what signs: its in-token session copy
         self._public = public
         self.key_id = key_id
         self.label = label
@@ -232,7 +233,7 @@ class Pkcs11PrivateKey(ec.EllipticCurvePrivateKey):
             if hasher is None:
                 raise KeyStoreError("keystore_unsupported", f"no {algorithm.name} signatures")
             digest = hasher(data).digest()
-        raw = self._store.sign_digest(self._handle, digest)
+        raw = self._store.sign_digest(self._signer, digest)
         half = len(raw) // 2
         if len(raw) != 64:
             raise KeyStoreError("keystore_unavailable", "the token's ECDSA signature is not r||s")
@@ -338,7 +339,15 @@ class _DirectSign:
 class Pkcs11KeyStore:
     """Keys in one PKCS#11 token (python-pkcs11). One logged-in read/write session for key
     management, serialised by a lock (a session is not for concurrent use); signatures use a
-    session per thread, so concurrent issuance does not queue on one session."""
+    session per thread, so concurrent issuance does not queue on one session.
+
+    Signatures are made with a *session copy* of each key (C_CopyObject, CKA_TOKEN false,
+    inside the token, still sensitive and not extractable, gone when this store's session
+    closes): a token object is read through the token's object store on every use (SoftHSM's
+    file store opens, locks and reads the object's files on each attribute access: ~12
+    syscalls per signature, made holding the GIL), a session object is in the token's
+    memory. A token that refuses the copy (CKA_COPYABLE false) signs with the token object.
+    ``x-sign-key=token`` in the URI turns the copy off."""
 
     name = "pkcs11"
 
@@ -401,6 +410,10 @@ class Pkcs11KeyStore:
         if mode not in ("hold", "release"):
             raise KeyStoreError("keystore_uri_invalid", "x-sign-gil is hold or release")
         self._direct = _DirectSign.load(uri.module_path) if mode == "hold" else None
+        sign_key = uri.query.get("x-sign-key", "session")
+        if sign_key not in ("session", "token"):
+            raise KeyStoreError("keystore_uri_invalid", "x-sign-key is session or token")
+        self._copy_keys = sign_key == "session"
 
     def __repr__(self) -> str:
         return f"Pkcs11KeyStore({self._uri!r})"
@@ -426,6 +439,24 @@ class Pkcs11KeyStore:
                 self._thread_sessions.append(session)
         return int(session.handle)  # type: ignore[union-attr]  # Cython attribute, untyped
 
+    def signing_handle(self, key: Any) -> Any:
+        """The object that signs for the token key ``key``: its session copy, or ``key``."""
+        if not self._copy_keys:
+            return key
+        attr = self._p11.Attribute
+        with self._lock:
+            try:
+                copy = key.copy({attr.TOKEN: False})
+            except self._p11.exceptions.PKCS11Error:
+                return key  # CKA_COPYABLE false, or a token without C_CopyObject
+            try:
+                if copy[attr.TOKEN] or copy[attr.EXTRACTABLE] or not copy[attr.SENSITIVE]:
+                    copy.destroy()
+                    raise KeyStoreError("ca_key_invalid", "the token's key copy is extractable")
+            except self._p11.exceptions.PKCS11Error as exc:
+                _raise(exc, "key copy")
+        return copy
+
     def sign_digest(self, handle: Any, digest: bytes) -> bytes:
         if self._direct is not None:
             return self._direct.sign(self._thread_session(), handle.handle, digest)
@@ -435,12 +466,32 @@ class Pkcs11KeyStore:
             except self._p11.exceptions.PKCS11Error as exc:
                 _raise(exc, "sign")
 
+    def _token_key(self, object_class: Any, key_id: bytes) -> Any:
+        """The token object (not a session copy) of that class and CKA_ID; lock held."""
+        from pkcs11 import Attribute, KeyType
+
+        found = list(
+            self._session.get_objects(
+                {
+                    Attribute.CLASS: object_class,
+                    Attribute.KEY_TYPE: KeyType.EC,
+                    Attribute.ID: key_id,
+                    Attribute.TOKEN: True,
+                }
+            )
+        )
+        if not found:
+            raise self._p11.exceptions.NoSuchKey("no such key")
+        if len(found) > 1:
+            raise self._p11.exceptions.MultipleObjectsReturned("several keys with that id")
+        return found[0]
+
     def _public_of(self, key_id: bytes) -> ec.EllipticCurvePublicKey:
-        from pkcs11 import KeyType, ObjectClass
+        from pkcs11 import ObjectClass
         from pkcs11.util.ec import encode_ec_public_key
 
-        pub = self._session.get_key(ObjectClass.PUBLIC_KEY, KeyType.EC, id=key_id)
-        key = serialization.load_der_public_key(encode_ec_public_key(pub))  # type: ignore[arg-type]
+        pub = self._token_key(ObjectClass.PUBLIC_KEY, key_id)
+        key = serialization.load_der_public_key(encode_ec_public_key(pub))
         if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(
             key.curve, ec.SECP256R1
         ):
@@ -489,7 +540,7 @@ class Pkcs11KeyStore:
         return (object_uri(key.key_id, key.label) + "\n").encode()
 
     def load(self, data: bytes, where: str) -> ec.EllipticCurvePrivateKey:
-        from pkcs11 import Attribute, KeyType, ObjectClass
+        from pkcs11 import Attribute, ObjectClass
         from pkcs11 import exceptions as p11e
 
         text = data.decode("utf-8", errors="replace").strip()
@@ -505,7 +556,7 @@ class Pkcs11KeyStore:
             raise KeyStoreError("ca_key_invalid", f"{where}: not a private key reference")
         with self._lock:
             try:
-                priv = self._session.get_key(ObjectClass.PRIVATE_KEY, KeyType.EC, id=key_id)
+                priv = self._token_key(ObjectClass.PRIVATE_KEY, key_id)
                 if priv[Attribute.EXTRACTABLE] or not priv[Attribute.SENSITIVE]:
                     raise KeyStoreError(
                         "ca_key_invalid", f"{where}: the token's key is extractable"

@@ -55,7 +55,9 @@ def _private_objects(store: Pkcs11KeyStore) -> list[tuple[str, bool, bool]]:
 
     return sorted(
         (o[Attribute.LABEL], o[Attribute.SENSITIVE], o[Attribute.EXTRACTABLE])
-        for o in store._session.get_objects({Attribute.CLASS: ObjectClass.PRIVATE_KEY})
+        for o in store._session.get_objects(
+            {Attribute.CLASS: ObjectClass.PRIVATE_KEY, Attribute.TOKEN: True}
+        )
     )
 
 
@@ -201,4 +203,40 @@ def test_wrong_pin_and_missing_token(token: Token) -> None:
     token.pin_file.write_text(token.pin)
     with pytest.raises(AttestmeshError) as e:
         open_key_store(f"{token.uri}&x-sign-gil=sometimes")
+    assert e.value.reason == "keystore_uri_invalid"
+
+
+@pytest.mark.parametrize("sign_key", ["session", "token"])
+def test_signatures_come_from_a_session_copy_inside_the_token(
+    token: Token, tmp_path: Path, sign_key: str
+) -> None:
+    """The signing object is the key's session copy (in the token: sensitive, not extractable,
+    not a token object, gone with the store's session), or with x-sign-key=token the token
+    object itself; both sign for the same public key."""
+    from pkcs11 import Attribute, ObjectClass
+
+    store = open_key_store(f"{token.uri}&x-sign-key={sign_key}")
+    assert isinstance(store, Pkcs11KeyStore)
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca", TD, NOW, key_store=store)
+    key = ca.intermediate.key
+    assert isinstance(key, Pkcs11PrivateKey)
+    signer = key._signer
+    if sign_key == "token":
+        assert signer is key._handle
+    else:
+        assert signer is not key._handle
+        assert not signer[Attribute.TOKEN] and key._handle[Attribute.TOKEN]
+        assert signer[Attribute.SENSITIVE] and not signer[Attribute.EXTRACTABLE]
+        assert signer[Attribute.ID] == key.key_id
+    _verifies(_leaf(ca, ca.intermediate, NOW), ca)
+    session_keys = {Attribute.CLASS: ObjectClass.PRIVATE_KEY, Attribute.TOKEN: False}
+    assert len(list(store._session.get_objects(session_keys))) == (
+        2 if sign_key == "session" else 0
+    )  # root and intermediate
+    store.close()
+    again = _store(token)
+    assert list(again._session.get_objects(session_keys)) == []  # the copies went with it
+    assert len(_private_objects(again)) == 2
+    with pytest.raises(AttestmeshError) as e:
+        open_key_store(f"{token.uri}&x-sign-key=file")
     assert e.value.reason == "keystore_uri_invalid"
