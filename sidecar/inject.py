@@ -75,13 +75,17 @@ configfs-tsm (``--tee tsm``). With no TEE chosen (annotation, namespace label, o
 
 Composite GPU attestation: a ``sev-snp``/``tdx`` pod annotated ``attestmesh.dev/attest-gpus:
 "true"`` (or any such pod requesting GPUs when ``InjectConfig.attest_gpus`` is set, unless it
-annotates ``"false"``) gets ``--gpus N``, N the sum of its containers' ``nvidia.com/gpu``
-limits (the GPUs of one confidential VM). Asked for on another TEE, with no GPU requested, more
-than 8 or a count that is not a whole number: refused. The attested control plane: the pod's
-``attestmesh.dev/control-plane-policy`` (else ``InjectConfig.control_plane_policy``) names a
-ConfigMap in its namespace whose ``policy.yaml`` (an AttestationPolicy) the agent checks the
-control plane's evidence against before sending its own (``--control-plane-policy``, mounted
-read-only, not optional); not for nitro pods yet (refused).
+annotates ``"false"``) gets ``--gpus N``, N the sum of its containers' limits of
+``nvidia.com/pgpu`` (NVIDIA's confidential-containers sandbox device plugin) and
+``nvidia.com/gpu``: the GPUs of one confidential VM. Asked for on another TEE, with no GPU
+requested, more than 8 or a count that is not a whole number: refused. A ``sev-snp``/``tdx`` pod
+requesting GPUs runs in the GPU runtime class (``kata-qemu-nvidia-gpu-snp``/``-tdx``).
+
+The attested control plane: the pod's ``attestmesh.dev/control-plane-policy`` (else
+``InjectConfig.control_plane_policy``) names a ConfigMap in its namespace whose ``policy.yaml``
+(an AttestationPolicy) the agent checks the control plane's evidence against before sending its
+own (``--control-plane-policy``, mounted read-only, not optional); not for nitro pods yet
+(refused).
 
 Opt-out: pod annotation ``attestmesh.dev/inject: "false"`` or pod label
 ``attestmesh.dev/inject: disabled`` (the label is what the webhook's objectSelector can see).
@@ -196,10 +200,13 @@ _SECRET_NAME = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9]*
 INJECTABLE_TEES = (Tee.SIM, Tee.NITRO, Tee.SEV_SNP, Tee.TDX, Tee.SGX)
 # Composite CPU + GPU attestation (certs.evidence.composite): the agent of a confidential VM pod
 # that requests NVIDIA GPUs attaches them to its evidence (``attestmesh agent --gpus N``, N the
-# pod's nvidia.com/gpu limits), when the pod annotates attest-gpus "true" or, unless it says
-# "false", when the injector is configured so (``InjectConfig.attest_gpus``).
+# GPUs its containers request), when the pod annotates attest-gpus "true" or, unless it says
+# "false", when the injector is configured so (``InjectConfig.attest_gpus``). A confidential VM
+# pod requesting GPUs runs in the GPU runtime class (passthrough into the VM): NVIDIA's
+# confidential-containers reference architecture names kata-qemu-nvidia-gpu-snp/-tdx and the
+# sandbox device plugin's resource nvidia.com/pgpu (nvidia.com/gpu elsewhere).
 ANNOTATION_ATTEST_GPUS = "attestmesh.dev/attest-gpus"
-NVIDIA_GPU = "nvidia.com/gpu"
+GPU_RESOURCES = ("nvidia.com/pgpu", "nvidia.com/gpu")
 GPU_TEES = (Tee.SEV_SNP, Tee.TDX)
 # The attested control plane (attestmesh.cp_attest): the agent sends evidence only to a control
 # plane whose own evidence the AttestationPolicy in this ConfigMap (key policy.yaml, in the pod's
@@ -265,6 +272,10 @@ class InjectConfig:
     # confidential VMs
     snp_runtime_class: str = "kata-qemu-snp"
     tdx_runtime_class: str = "kata-qemu-tdx"
+    # ... of pods requesting GPUs (``gpu_resources``), which are passed through into the VM
+    snp_gpu_runtime_class: str = "kata-qemu-nvidia-gpu-snp"
+    tdx_gpu_runtime_class: str = "kata-qemu-nvidia-gpu-tdx"
+    gpu_resources: tuple[str, ...] = GPU_RESOURCES
     snp_node_labels: Mapping[str, str] = field(
         default_factory=lambda: {"feature.node.kubernetes.io/cpu-security.sev.snp.enabled": "true"}
     )
@@ -734,6 +745,7 @@ def _inject(
     cfg: InjectConfig,
     gpus: int = 0,
     cp_policy: str | None = None,
+    gpu_pod: bool = False,
 ) -> None:
     meta = pod.setdefault("metadata", {})
     spec = pod["spec"]
@@ -774,7 +786,12 @@ def _inject(
             spec["tolerations"] = [*tolerations, toleration]
     elif tee in (Tee.SEV_SNP, Tee.TDX):
         snp = tee is Tee.SEV_SNP
-        spec["runtimeClassName"] = cfg.snp_runtime_class if snp else cfg.tdx_runtime_class
+        if gpu_pod:
+            spec["runtimeClassName"] = (
+                cfg.snp_gpu_runtime_class if snp else cfg.tdx_gpu_runtime_class
+            )
+        else:
+            spec["runtimeClassName"] = cfg.snp_runtime_class if snp else cfg.tdx_runtime_class
         _merge_required_affinity(spec, cfg.snp_node_labels if snp else cfg.tdx_node_labels)
         _tolerate_tee_hosts(spec)
     elif tee is Tee.SGX:
@@ -782,51 +799,50 @@ def _inject(
         _tolerate_tee_hosts(spec)
 
 
-def requested_gpus(spec: Mapping[str, Any]) -> int:
-    """The NVIDIA GPUs the pod's containers request (their nvidia.com/gpu limits, else
-    requests). ValueError: a count that is not a whole number."""
+def requested_gpus(spec: Mapping[str, Any], resources: tuple[str, ...] = GPU_RESOURCES) -> int:
+    """The GPUs the pod's containers request: per container and resource name its limit, else
+    its request. ValueError: a count that is not a whole number."""
     total = 0
     for c in spec.get("containers") or []:
         res = c.get("resources") if isinstance(c, Mapping) else None
         if not isinstance(res, Mapping):
             continue
-        for kind in ("limits", "requests"):
-            amounts = res.get(kind)
-            if isinstance(amounts, Mapping) and NVIDIA_GPU in amounts:
-                raw = amounts[NVIDIA_GPU]
-                if isinstance(raw, bool) or not _WHOLE.fullmatch(str(raw)):
-                    raise ValueError(f"{NVIDIA_GPU} {kind} must be a whole number, not {raw!r}")
-                total += int(str(raw))
-                break
+        for name in resources:
+            for kind in ("limits", "requests"):
+                amounts = res.get(kind)
+                if isinstance(amounts, Mapping) and name in amounts:
+                    raw = amounts[name]
+                    if isinstance(raw, bool) or not _WHOLE.fullmatch(str(raw)):
+                        raise ValueError(f"{name} {kind} must be a whole number, not {raw!r}")
+                    total += int(str(raw))
+                    break
     return total
 
 
 def _gpu_plan(
     annotations: Mapping[str, Any], spec: Mapping[str, Any], tee: Tee, cfg: InjectConfig
-) -> tuple[int, str | None]:
-    """How many GPUs the agent attaches, or why the pod cannot be injected."""
+) -> tuple[int, int, str | None]:
+    """(GPUs the agent attaches, GPUs the pod requests, why the pod cannot be injected)."""
     raw = annotations.get(ANNOTATION_ATTEST_GPUS)
     if raw is not None and str(raw).lower() not in ("true", "false"):
-        return 0, f'{ANNOTATION_ATTEST_GPUS} must be "true" or "false", not {raw!r}'
+        return 0, 0, f'{ANNOTATION_ATTEST_GPUS} must be "true" or "false", not {raw!r}'
     asked = raw is not None and str(raw).lower() == "true"
-    if not (asked or (raw is None and cfg.attest_gpus)):
-        return 0, None
+    on = asked or (raw is None and cfg.attest_gpus)
+    if tee not in GPU_TEES:
+        if asked:
+            where = f"a confidential VM's evidence ({_tee_list(GPU_TEES)}), not {tee.value}"
+            return 0, 0, f"{ANNOTATION_ATTEST_GPUS}: GPUs attach to {where}"
+        return 0, 0, None  # the injector's default: only confidential VMs' GPUs attach
     try:
-        gpus = requested_gpus(spec)
+        gpus = requested_gpus(spec, cfg.gpu_resources)
     except ValueError as exc:
-        return 0, str(exc)
-    if tee not in GPU_TEES or gpus == 0:
-        if not asked:
-            return 0, None  # the injector's default: only confidential VMs with GPUs
-        if tee not in GPU_TEES:
-            return 0, (
-                f"{ANNOTATION_ATTEST_GPUS}: GPUs attach to a confidential VM's evidence "
-                f"({_tee_list(GPU_TEES)}), not {tee.value}"
-            )
-        return 0, f"{ANNOTATION_ATTEST_GPUS} is true but no container requests {NVIDIA_GPU}"
-    if gpus > MAX_GPUS:
-        return 0, f"{gpus} {NVIDIA_GPU} requested; at most {MAX_GPUS} attach to one attestation"
-    return gpus, None
+        return 0, 0, str(exc)
+    if asked and gpus == 0:
+        what = " or ".join(cfg.gpu_resources)
+        return 0, 0, f"{ANNOTATION_ATTEST_GPUS} is true but no container requests {what}"
+    if on and gpus > MAX_GPUS:
+        return 0, gpus, f"{gpus} GPUs requested; at most {MAX_GPUS} attach to one attestation"
+    return (gpus if on else 0), gpus, None
 
 
 def is_configmap_name(name: str) -> bool:
@@ -982,7 +998,7 @@ def mutate(
         return MutationResult(
             Decision.INVALID_POD, message=f"attestmesh cannot inject {who}: {problem}"
         )
-    gpus, problem = _gpu_plan(annotations, spec, tee, config)
+    gpus, gpu_pod, problem = _gpu_plan(annotations, spec, tee, config)
     if problem is None:
         cp_policy, problem = _cp_policy_plan(annotations, spec, tee, config)
     if problem is not None:
@@ -1013,7 +1029,7 @@ def mutate(
             f"port {inbound} and Envoy admin port {config.envoy_admin_port} must differ",
         )
     mutated = copy.deepcopy(dict(pod))
-    _inject(mutated, tee, inbound, config, gpus, cp_policy)
+    _inject(mutated, tee, inbound, config, gpus, cp_policy, gpu_pod > 0)
     patch = tuple(build_patch(dict(pod), mutated))
     return MutationResult(Decision.INJECTED, patch, f"injected for {tee.value}", tee)
 

@@ -36,16 +36,18 @@ from tests.unit.inject.test_injected_commands import CFG, cli, command, mounted
 NS = "shop"
 
 
-def _pod(tee: str, gpus: list[Any] | None = None, /, **annotations: str) -> dict[str, Any]:
-    """A pod of ``tee`` with one app container per entry of ``gpus`` (its nvidia.com/gpu
-    limit; None: no GPU requested)."""
+def _pod(
+    tee: str, gpus: list[Any] | None = None, /, resource: str = "nvidia.com/gpu", **annotations: str
+) -> dict[str, Any]:
+    """A pod of ``tee`` with one app container per entry of ``gpus`` (its ``resource`` limit;
+    None: no GPU requested)."""
     app: list[dict[str, Any]] = []
     for i, n in enumerate(gpus or [None]):
         c: dict[str, Any] = {"name": f"app{i}", "image": "cuda-app:1"}
         if i == 0:
             c["ports"] = [{"containerPort": 8080}]
         if n is not None:
-            c["resources"] = {"limits": {"nvidia.com/gpu": n, "memory": "1Gi"}}
+            c["resources"] = {"limits": {resource: n, "memory": "1Gi"}}
         app.append(c)
     return {
         "apiVersion": "v1",
@@ -83,12 +85,28 @@ def _refused(pod: dict[str, Any], cfg: InjectConfig = CFG) -> MutationResult:
 # -- GPUs -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tee", "agent_tee"), [("sev-snp", "sev-snp"), ("tdx", "tsm")])
-def test_a_cvm_pod_asking_for_gpu_attestation_gets_gpus_n(tee: str, agent_tee: str) -> None:
-    pod = _injected(_pod(tee, [2, "1"], **{ANNOTATION_ATTEST_GPUS: "true"}))
+@pytest.mark.parametrize(
+    ("tee", "agent_tee", "runtime"),
+    [
+        ("sev-snp", "sev-snp", "kata-qemu-nvidia-gpu-snp"),
+        ("tdx", "tsm", "kata-qemu-nvidia-gpu-tdx"),
+    ],
+)
+@pytest.mark.parametrize("resource", ["nvidia.com/pgpu", "nvidia.com/gpu"])
+def test_a_cvm_pod_asking_for_gpu_attestation_gets_gpus_n(
+    tee: str, agent_tee: str, runtime: str, resource: str
+) -> None:
+    pod = _injected(_pod(tee, [2, "1"], resource=resource, **{ANNOTATION_ATTEST_GPUS: "true"}))
     args = _agent(pod)
     assert args.tee == agent_tee and args.gpus == 3  # every container's GPUs: one CVM
     assert args.control_plane_policy is None
+    assert pod["spec"]["runtimeClassName"] == runtime  # GPUs passed through into the VM
+
+
+def test_a_cvm_pod_with_gpus_runs_in_the_gpu_runtime_class_even_without_attesting_them() -> None:
+    assert _injected(_pod("sev-snp", [1]))["spec"]["runtimeClassName"] == "kata-qemu-nvidia-gpu-snp"
+    assert _injected(_pod("tdx"))["spec"]["runtimeClassName"] == "kata-qemu-tdx"
+    assert _injected(_pod("sev-snp"))["spec"]["runtimeClassName"] == "kata-qemu-snp"
 
 
 def test_the_injector_default_attaches_the_gpus_of_cvm_pods_only() -> None:
@@ -110,6 +128,11 @@ def test_the_injector_default_attaches_the_gpus_of_cvm_pods_only() -> None:
         (_pod("sgx", [1], **{ANNOTATION_ATTEST_GPUS: "true"}), "confidential VM"),
         (_pod("sim", [1], **{ANNOTATION_ATTEST_GPUS: "true"}), "not sim"),
         (_pod("tdx", [9], **{ANNOTATION_ATTEST_GPUS: "true"}), "at most 8"),
+        (
+            _pod("tdx", [5, 4], resource="nvidia.com/pgpu", **{ANNOTATION_ATTEST_GPUS: "true"}),
+            "9 GPUs requested",
+        ),
+        (_pod("tdx", ["1.5"]), "whole number"),  # a GPU count the runtime class depends on
         (_pod("tdx", ["0.5"], **{ANNOTATION_ATTEST_GPUS: "true"}), "whole number"),
         (_pod("tdx", [True], **{ANNOTATION_ATTEST_GPUS: "true"}), "whole number"),
         (_pod("tdx", [1], **{ANNOTATION_ATTEST_GPUS: "yes"}), '"true" or "false"'),
@@ -126,11 +149,12 @@ def test_requested_gpus_reads_limits_then_requests() -> None:
     spec = {"containers": [
         {"name": "a", "resources": {"limits": {"nvidia.com/gpu": "2"},
                                     "requests": {"nvidia.com/gpu": "2"}}},
-        {"name": "b", "resources": {"requests": {"nvidia.com/gpu": 1}}},
+        {"name": "b", "resources": {"requests": {"nvidia.com/pgpu": 1}}},
         {"name": "c"},
         "not a container",
     ]}  # fmt: skip
     assert requested_gpus(spec) == 3
+    assert requested_gpus(spec, ("nvidia.com/gpu",)) == 2
     with pytest.raises(ValueError, match="whole number"):
         requested_gpus({"containers": [{"resources": {"limits": {"nvidia.com/gpu": "-1"}}}]})
 
