@@ -140,6 +140,10 @@ class Replication(Protocol):
         """Everything durable now (blocking; after a failed write, to recover)."""
         ...
 
+    def load_rows(self, names: Collection[str]) -> dict[str, WorkloadState | None]:
+        """These workloads' rows as stored now (None: no row). Blocking."""
+        ...
+
     def ca_rotated(self, ca: CertificateAuthority) -> None:
         """The leader persisted a rotation step: store it for the other replicas."""
         ...
@@ -248,6 +252,8 @@ class ControlPlane:
         self._adopted: dict[str, tuple[int, WorkloadState | None]] = {}
         self._trust_adopted_gen = -1  # announcements up to this gen predate adopted revocations
         self._inflight: dict[str, int] = {}  # name -> this replica's batches not yet resolved
+        self._skipped: set[str] = set()  # others' changes left alone while a write was in flight
+        self._rereads: set[asyncio.Task[None]] = set()
         self._pruned_at: datetime | None = None
         self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
         self._tcb_grace.track(state, state.workloads)  # their deadlines are in the rows
@@ -365,6 +371,12 @@ class ControlPlane:
                 self._inflight[name] = left
             else:
                 self._inflight.pop(name, None)
+        settled = [n for n in announce.changed if n in self._skipped and n not in self._inflight]
+        if settled:  # another replica's change to these arrived meanwhile: read them again
+            self._skipped.difference_update(settled)
+            task = asyncio.get_running_loop().create_task(self._reread(settled))
+            self._rereads.add(task)
+            task.add_done_callback(self._rereads.discard)
         if not durable.cancelled() and isinstance(durable.exception(), StoreConflict):
             self._conflicted(durable.exception(), announce)  # type: ignore[arg-type]
             return
@@ -419,9 +431,26 @@ class ControlPlane:
             unrevoked = frozenset(
                 {r.serial for r in self._state.revocations} - {r.serial for r in changes.revoked}
             )
+        self._skipped.update(n for n in changes.workloads if n in self._inflight)
+        if changes.resync:
+            self._skipped.update(n for n in mine if n in self._inflight)
         self.adopt_rows(rows, changes.revoked, unrevoked)
         if changes.ca:
             self.reload_ca()
+
+    async def _reread(self, names: Sequence[str]) -> None:
+        """Rows another replica changed while this one had a write in flight for them: that
+        write has resolved; adopt the rows as stored now (unless a write is in flight again:
+        then the same happens when it resolves)."""
+        if self._replication is None:
+            return
+        try:
+            rows = await asyncio.to_thread(self._replication.load_rows, names)
+        except AttestmeshError as exc:
+            log.warning("cannot read %d changed rows again: %s", len(names), exc)
+            self._skipped.update(names)
+            return
+        self.adopt_changes(Changes(0, rows))
 
     def adopt_rows(
         self,

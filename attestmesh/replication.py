@@ -9,12 +9,19 @@ directory and loads it (a follower, when its change feed says the CA changed).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from certs.ca import CertificateAuthority
-from xds.state import MeshState
-from xds.store_pg import ChangeFeed, Leadership, PostgresStore, download_ca, publish_ca
+from xds.state import MeshState, WorkloadState
+from xds.store_pg import (
+    ChangeFeed,
+    Leadership,
+    PostgresStore,
+    download_ca,
+    publish_ca,
+    read_rows,
+)
 
 # a replica whose database has not answered for this long issues nothing and is not ready
 # (the change feed reads every 0.5 s while connected; the budget to stop issuing is 5 s)
@@ -52,12 +59,15 @@ class PgReplication:
         self.leadership.close()
 
     def is_leader(self) -> bool:
-        return self.leadership.is_leader
+        return self.leadership.leading
 
     def in_contact(self) -> bool:
         return self.feed.connected and (
             self._monotonic() - self.feed.last_contact <= CONTACT_SECONDS
         )
+
+    def load_rows(self, names: Collection[str]) -> dict[str, WorkloadState | None]:
+        return read_rows(self.url, sorted(names))
 
     def load_state(self) -> MeshState:
         store = PostgresStore(self.url)

@@ -75,6 +75,7 @@ __all__ = [
     "open_store",
     "pg_schema_version",
     "publish_ca",
+    "read_rows",
     "redact_url",
     "share_ca",
 ]
@@ -824,12 +825,20 @@ class Leadership:
         self._on_change = on_change
         self._closed = threading.Event()
         self.is_leader = False
+        self.confirmed_at = 0.0  # monotonic: the last time the database confirmed the lock
         self.changes = 0
         self._thread = threading.Thread(target=self._run, name="attestmesh-leader", daemon=True)
 
     def start(self) -> Leadership:
         self._thread.start()
         return self
+
+    @property
+    def leading(self) -> bool:
+        """Leader, and confirmed by the database within two intervals: a leader whose
+        connection went silent stops acting before the server (keepalives: ~5 s) frees the
+        lock for another, so two never act at once."""
+        return self.is_leader and time.monotonic() - self.confirmed_at <= 2 * self._interval + 0.5
 
     def close(self) -> None:
         self._closed.set()
@@ -859,10 +868,13 @@ class Leadership:
                     while not self._closed.is_set():
                         if self.is_leader:
                             conn.execute("SELECT 1")
+                            self.confirmed_at = time.monotonic()
                         else:
                             got = conn.execute(
                                 "SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)
                             ).fetchone()
+                            if got and got[0]:
+                                self.confirmed_at = time.monotonic()
                             self._set(bool(got and got[0]))
                         self._closed.wait(self._interval)
             except psycopg.Error as exc:
@@ -870,3 +882,14 @@ class Leadership:
                 self._set(False)
                 self._closed.wait(self._interval)
         self._set(False)
+
+
+def read_rows(url: str, names: Sequence[str]) -> dict[str, WorkloadState | None]:
+    """These workloads' rows as stored now (None: no row)."""
+    with _connect(url) as conn:
+        docs = dict(
+            conn.execute(
+                "SELECT name, doc FROM workloads WHERE name = ANY(%s::text[])", (list(names),)
+            ).fetchall()
+        )
+    return {n: workload_from_doc(json.loads(docs[n])) if n in docs else None for n in names}

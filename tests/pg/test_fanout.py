@@ -191,3 +191,49 @@ def test_the_feed_reconnects_after_a_server_restart(pg: PgCluster, pg_url: str) 
             other.close()
     finally:
         feed.close()
+
+
+async def test_a_change_arriving_while_a_write_is_in_flight_is_read_again(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A's renewal commits, but A learns it late (its writer is slow to report); meanwhile B,
+    having seen the renewal, quarantines. The feed brings the quarantine to A while A's write
+    on that row is still in flight, so A leaves it alone; once the write resolves A reads the
+    row again and adopts the quarantine (it would otherwise keep the renewed row)."""
+    import time as _time
+
+    clock = Clock(NOW)
+    a = Replica(pg_url, tmp_path / "ca-a", clock, replicate=True)
+    b = Replica(pg_url, tmp_path / "ca-b", clock, replicate=True)
+    try:
+        await a.register([registration("web-1")])
+        await a.attest("web-1")
+        async with asyncio.timeout(10):
+            while b.cp.status_of("web-1") is not Status.ATTESTED:
+                await asyncio.sleep(0.01)
+        resolve = a.store._resolve
+
+        def slow(outcomes: object) -> None:  # the writer thread: committed, reported late
+            _time.sleep(1.5)
+            resolve(outcomes)  # type: ignore[arg-type]
+
+        a.store._resolve = slow  # type: ignore[method-assign]
+        renewal = asyncio.create_task(a.attest("web-1"))
+        async with asyncio.timeout(10):  # B sees the renewal from the database
+            while len(b.cp.state.get("web-1").certificates) < 2:
+                await asyncio.sleep(0.01)
+        assert b.cp.quarantine("web-1", Trigger.OPERATOR, "on b")
+        await b.cp.flushed()
+        async with asyncio.timeout(10):  # the quarantine reached A while its write was in flight
+            while "web-1" not in a.cp._skipped:
+                await asyncio.sleep(0.01)
+        assert a.cp.status_of("web-1") is Status.ATTESTED and not renewal.done()
+        await renewal  # the renewal itself was durable before the quarantine
+        a.store._resolve = resolve  # type: ignore[method-assign]
+        async with asyncio.timeout(10):
+            while a.cp.status_of("web-1") is not Status.QUARANTINED:
+                await asyncio.sleep(0.01)
+        assert a.publisher.last_state.workloads["web-1"].status is Status.QUARANTINED
+    finally:
+        a.close()
+        b.close()
