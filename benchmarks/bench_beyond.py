@@ -3,13 +3,19 @@
 * the EAR (sign + wrap) a leaf carries, against signing the leaf itself;
 * re-appraising claims on record after a TCB change (re-evaluate + appraise), per workload,
   against the admission appraisal alone, and the wall time for N workloads;
-* verifying a CVM report with one attached H100 report, against the CVM report alone.
+* verifying a CVM report with one attached H100 report, against the CVM report alone;
+* deferring N quarantines after a TCB change (each deadline written into its workload's row,
+  one batch, until durable), against quarantining the same N at once (the same rows plus their
+  revocations), and a restart's start-up over N rows with deferrals against N without.
 
 Run: python -m benchmarks.bench_beyond [N]   (N workloads for the re-appraisal, default 10000)
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import secrets
 import statistics
 import sys
 import tempfile
@@ -19,9 +25,12 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 import tests.unit.evidence.dcap_fixtures as fx
+from attestmesh.controlplane import ControlPlane
+from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import reappraise_all
 from certs.ca import CertificateAuthority, build_leaf, encode_claims_extension, parse_csr
 from certs.ear import build_ear_extension
@@ -30,12 +39,14 @@ from certs.evidence.intel_dcap import DcapVerifier
 from certs.evidence.nvidia_gpu import NvidiaGpuVerifier
 from certs.evidence.sev_snp import SevSnpVerifier, parse_amd_chain
 from certs.evidence.tdx import TdxVerifier
-from certs.policy import appraise_all, parse_policies
-from certs.tcb_reeval import TcbCollateral
+from certs.policy import OnTcbChange, Rejected, appraise_all, parse_policies
+from certs.tcb_reeval import TcbCollateral, TcbFinding
 from tests.unit.evidence import test_nvidia as nv
 from tests.unit.evidence.test_sev_snp import CHIP, IDBLOCK, SYN_TCB, TCB_RAW, _Amd, _sign
+from tests.unit.fixtures_core import RecordingPublisher, csr_pem, policy_doc, record, registration
 from tests.unit.fixtures_core import claims as sim_claims
-from tests.unit.fixtures_core import csr_pem, policy_doc
+from xds.state import Status, WorkloadState
+from xds.store import Batch, GroupCommitStore, SqliteStore
 
 
 def median_us(fn: Callable[[], object], rounds: int = 7, per: int = 50) -> float:
@@ -133,11 +144,83 @@ def bench_composite() -> None:
     print(f"SEV-SNP + 1 H100            median {t_both:8.1f} us   ratio {t_both / t_cpu:.2f}x")
 
 
+def _deferral_cp(path: Path, n: int) -> tuple[ControlPlane, list[TcbFinding]]:
+    """A control plane on a SQLite database (group commit) holding n attested workloads."""
+    now = fx.NOW
+    rows = {
+        f"w{i}": WorkloadState(registration(f"w{i}", port=10_000 + i % 50_000), Status.ATTESTED,
+                               record(), now + timedelta(hours=1))
+        for i in range(n)
+    }  # fmt: skip
+    if not (path / "state.db").exists():
+        seed = SqliteStore(path / "state.db")
+        seed.write(Batch(upserts=rows))
+        seed.close()
+    store = GroupCommitStore.open(path / "state.db")
+    cp = ControlPlane(
+        state=store.load("bench.local"), store=store,
+        ca=CertificateAuthority.load_or_create(path / "ca", "bench.local", now), verifiers={},
+        policies=(), mesh_policies=(), metrics=Metrics(), publisher=RecordingPublisher(),
+        clock=lambda: now, serials=x509.random_serial_number, random_bytes=secrets.token_bytes,
+    )  # fmt: skip
+    decision = Rejected(("tcb_status_not_accepted: OutOfDate",), "pol", now)
+    findings = [
+        TcbFinding(name, "ab" * 32, decision, OnTcbChange.QUARANTINE, timedelta(minutes=10))
+        for name in rows
+    ]
+    return cp, findings
+
+
+async def _durable_ms(cp: ControlPlane, findings: list[TcbFinding]) -> float:
+    t = time.perf_counter()
+    cp.apply_tcb_findings(findings)
+    await cp.flushed()
+    return (time.perf_counter() - t) * 1e3
+
+
+def bench_deferrals(n: int, rounds: int = 4) -> None:
+    defer: list[float] = []
+    now_q: list[float] = []
+    start_d: list[float] = []
+    start_p: list[float] = []
+    logging.getLogger("attestmesh").setLevel(logging.ERROR)  # one warning per quarantine
+    for i in range(rounds):
+        with tempfile.TemporaryDirectory() as d:
+            a, b = Path(d) / "a", Path(d) / "b"
+            a.mkdir()
+            b.mkdir()
+            cp, findings = _deferral_cp(a, n)
+            defer.append(asyncio.run(_durable_ms(cp, findings)))
+            assert sum(w.tcb_deferral is not None for w in cp.state.workloads.values()) == n
+            cp._store.close()
+            cp, findings = _deferral_cp(b, n)
+            at_once = [replace(f, grace=timedelta(0)) for f in findings]
+            now_q.append(asyncio.run(_durable_ms(cp, at_once)))
+            cp._store.close()
+            plain = Path(d) / "plain"
+            plain.mkdir()
+            _deferral_cp(plain, n)[0]._store.close()  # seeded, its CA made: not timed
+            order = [(a, start_d), (plain, start_p)]
+            for where, out in order if i % 2 == 0 else order[::-1]:  # no order effect
+                t = time.perf_counter()
+                cp, _ = _deferral_cp(where, n)
+                out.append((time.perf_counter() - t) * 1e3)
+                cp._store.close()
+    md, mq = statistics.median(defer), statistics.median(now_q)
+    sd, sp = statistics.median(start_d), statistics.median(start_p)
+    print(f"defer {n} TCB quarantines (rows written, durable): {md:.0f} ms "
+          f"({md / n * 1e3:.0f} us/workload); quarantining them at once: {mq:.0f} ms; "
+          f"ratio {md / mq:.2f}")  # fmt: skip
+    print(f"start-up over {n} rows with deferrals: {sd:.0f} ms; without: {sp:.0f} ms; "
+          f"ratio {sd / sp:.2f}")  # fmt: skip
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
     bench_ear()
     bench_reappraisal(n)
     bench_composite()
+    bench_deferrals(n)
 
 
 if __name__ == "__main__":
