@@ -104,7 +104,10 @@ async def test_healthz_and_manifest_path(webhook: Webhook) -> None:
 
 @pytest.mark.parametrize("tee", ["sim", "nitro", "sev-snp", "tdx", "sgx"])
 async def test_inject_over_https_per_tee(webhook: Webhook, tee: str) -> None:
-    src = pod("web-0", **{"attestmesh.dev/tee": tee})
+    annotations = {"attestmesh.dev/tee": tee}
+    if tee == "nitro":  # the enclave image is required: a Nitro pod runs its EIF
+        annotations["attestmesh.dev/enclave-image"] = "registry.example/app-eif:1"
+    src = pod("web-0", **annotations)
     status, body = await webhook.post(review(src, f"uid-{tee}"))
     assert status == 200
     assert body["apiVersion"] == "admission.k8s.io/v1" and body["kind"] == "AdmissionReview"
@@ -114,7 +117,10 @@ async def test_inject_over_https_per_tee(webhook: Webhook, tee: str) -> None:
     out = apply_patch(src, decode_patch(resp))
     kubernetes_validate.validate(out, "1.37", strict=True)
     names = [c["name"] for c in out["spec"]["initContainers"]]
-    assert names == ["attestmesh-bootstrap", "attestmesh-agent", "attestmesh-envoy"]
+    if tee == "nitro":  # agent and Envoy run inside the enclave, the parent launches it
+        assert names == ["attestmesh-nitro-parent"]
+    else:
+        assert names == ["attestmesh-bootstrap", "attestmesh-agent", "attestmesh-envoy"]
     # the second admission of the injected pod changes nothing
     status, again = await webhook.post(review(out, "uid-again"))
     assert status == 200 and again["response"]["allowed"] is True
