@@ -16,7 +16,7 @@ import asyncio
 import copy
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,14 +212,33 @@ def unschedulable(admin: Rest, name: str) -> dict[str, Any] | None:
     return None
 
 
+@pytest.mark.parametrize(
+    ("name", "resource", "oversize", "lint_says"),
+    [
+        # more enclave CPUs than the NodeOverlay gives any enclave node
+        ("big-cpus", "aws.ec2.nitro/nitro_enclaves_cpus",
+         lambda offered: InjectConfig(nitro_enclave_cpus=offered + 2),
+         lambda offered: f"aws.ec2.nitro/nitro_enclaves_cpus {offered + 2} > {offered}"),
+        # more 1 GiB hugepages (enclave memory) than any enclave node has
+        ("big-memory", "hugepages-1Gi",
+         lambda offered: InjectConfig(nitro_hugepages_gi=offered + 4),
+         lambda offered: f"hugepages-1Gi {offered + 4}Gi > {offered}Gi"),
+    ],
+)  # fmt: skip
 async def test_an_oversized_enclave_pod_stays_pending_and_lint_flags_it(
-    env: Env, admin: Rest, nodes: list[str], tmp_path: Path
+    env: Env,
+    admin: Rest,
+    nodes: list[str],
+    tmp_path: Path,
+    name: str,
+    resource: str,
+    oversize: Callable[[int], InjectConfig],
+    lint_says: Callable[[int], str],
 ) -> None:
-    # asking for more enclave CPUs than the NodeOverlay gives any enclave node
     _, _, capacity = nitro_host()
-    offered = int(capacity["aws.ec2.nitro/nitro_enclaves_cpus"])
-    big = injected("big-enclave", "nitro", InjectConfig(nitro_enclave_cpus=offered + 2))
-    manifest = tmp_path / "big-enclave.yaml"
+    offered = int(capacity[resource].removesuffix("Gi"))
+    big = injected(name, "nitro", oversize(offered))
+    manifest = tmp_path / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump(copy.deepcopy(big)))
     lint = subprocess.run(
         [str(Path(sys.executable).with_name("attestmesh")), "lint", str(NITRO), str(manifest)],
@@ -232,11 +251,11 @@ async def test_an_oversized_enclave_pod_stays_pending_and_lint_flags_it(
     flagged = [
         line for line in lint.stdout.splitlines() if "WorkloadExceedsOverlayCapacity" in line
     ]
-    assert flagged and "big-enclave" in flagged[0], lint.stdout
-    assert f"aws.ec2.nitro/nitro_enclaves_cpus {offered + 2} > {offered}" in lint.stdout
+    assert flagged and name in flagged[0], lint.stdout
+    assert lint_says(offered) in lint.stdout, lint.stdout
 
     async with control_plane(env, tmp_path / "state"):
         await create_all(admin, [big])
-        cond = await until(lambda: unschedulable(admin, "big-enclave"), what="Unschedulable")
+        cond = await until(lambda: unschedulable(admin, name), what="Unschedulable")
     assert cond["reason"] == "Unschedulable", cond
-    assert "Insufficient aws.ec2.nitro/nitro_enclaves_cpus" in cond["message"], cond
+    assert f"Insufficient {resource}" in cond["message"], cond
