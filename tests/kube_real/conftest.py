@@ -2,8 +2,10 @@
 
 ``cluster`` (one per session): etcd + kube-apiserver 1.20.2 + kube-controller-manager built by
 ``tools/kube-build`` (built here if missing; a failed build fails the tests loudly with the
-command to run), throwaway PKI, loopback ports; stopped at the end of the session. Tests that
-restart the API server start their own with ``own_cluster``.
+command to run), throwaway PKI, loopback ports, audit log of ServiceAccount requests; stopped at
+the end of the session. test_scheduling starts its kube-scheduler; test_crd_cel starts an
+apiextensions-apiserver 1.36 beside it (delegating to it). Tests that restart the API server
+start their own with ``own_cluster``.
 """
 
 from __future__ import annotations
