@@ -117,6 +117,10 @@ class KubeSettings:
     webhook_cert: Path | None = None  # with webhook_key; else issued from the mesh CA
     webhook_key: Path | None = None
     webhook_configuration: str | None = None  # MutatingWebhookConfiguration to write caBundle to
+    # an issued webhook certificate's lifetime (renewed at half of it), and the first and
+    # longest wait before retrying a failed renewal (doubling in between)
+    webhook_cert_ttl: timedelta = WEBHOOK_CERT_TTL
+    webhook_cert_retry: tuple[timedelta, timedelta] = (timedelta(seconds=10), timedelta(minutes=10))
     probe_host: str = "0.0.0.0"
     probe_port: int | None = None  # /metrics, /healthz, /readyz on the pod network (no admin)
     resync: timedelta = timedelta(minutes=5)
@@ -268,11 +272,26 @@ def _issue_webhook_tls(
     dns_names: Sequence[str],
     now: datetime,
     directory: Path,
+    ttl: timedelta = WEBHOOK_CERT_TTL,
 ) -> tuple[Path, Path]:
     return issue_serving_credentials(
         ca, directory, "webhook", spiffe_id=spiffe_id, dns_names=dns_names,
-        ips=("127.0.0.1",), now=now, ttl=WEBHOOK_CERT_TTL,
+        ips=("127.0.0.1",), now=now, ttl=ttl,
     )  # fmt: skip
+
+
+def renewal_wait(
+    failures: int, renew: timedelta, first_retry: timedelta, max_retry: timedelta
+) -> timedelta:
+    """How long to wait before the next re-issue of a serving certificate: ``renew`` after a
+    success (``failures == 0``); after consecutive failures ``first_retry`` doubling up to
+    ``max_retry``, never later than ``renew``."""
+    if failures < 0:
+        raise ValueError(f"failures must be >= 0, not {failures}")
+    if failures == 0:
+        return renew
+    backoff: timedelta = first_retry * (2 ** min(failures - 1, 32))
+    return min(backoff, max_retry, renew)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,17 +630,34 @@ class KubeMode:
             (*s.service_dns_names(), "localhost"),
             datetime.now(UTC),
             self.state_dir / "tls",
+            s.webhook_cert_ttl,
         )
         ctx.load_cert_chain(cert, key)
 
     async def _rotate_webhook_cert(self, ctx: ssl.SSLContext, stop: asyncio.Event) -> None:
         """Re-issue the webhook's serving certificate at half its lifetime (new handshakes
-        use the new one)."""
+        use the new one). A failed re-issue is logged, counted and retried with backoff: it
+        must not end the task group, and with it the control plane (the current certificate
+        stays valid for the other half)."""
+        s = self.settings
+        renew, (first, cap) = s.webhook_cert_ttl / 2, s.webhook_cert_retry
+        counter = self.metrics.serving_cert_renewals
+        failures = 0
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), (WEBHOOK_CERT_TTL / 2).total_seconds())
-            if not stop.is_set():
+                wait = renewal_wait(failures, renew, first, cap)
+                await asyncio.wait_for(stop.wait(), wait.total_seconds())
+            if stop.is_set():
+                return
+            try:
                 self._load_issued(ctx)
+            except Exception:  # any failure: the webhook keeps serving its current certificate
+                failures += 1
+                counter.labels(listener="webhook", result="failed").inc()
+                log.exception("could not renew the webhook's serving certificate (%d)", failures)
+            else:
+                failures = 0
+                counter.labels(listener="webhook", result="ok").inc()
 
     async def _write_ca_bundle(self) -> None:
         name = self.settings.webhook_configuration
@@ -786,5 +822,6 @@ __all__ = [
     "WorkKind",
     "build_work",
     "connect",
+    "renewal_wait",
     "should_evict",
 ]

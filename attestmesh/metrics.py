@@ -101,3 +101,9 @@ class Metrics:
             ["operation", "result", "reason"],
             registry=r,
         )
+        self.serving_cert_renewals = Counter(
+            "attestmesh_serving_cert_renewals_total",
+            "Re-issues of a listener's serving certificate from the mesh CA by result (ok, failed)",
+            ["listener", "result"],
+            registry=r,
+        )
