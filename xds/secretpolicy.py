@@ -50,7 +50,12 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _HEX = re.compile(r"([0-9a-fA-F]{2})+")
 _SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}"
 _MOUNT = re.compile(_SEGMENT)
-_KV_PATH = re.compile(rf"{_SEGMENT}(/{_SEGMENT}){{0,15}}")
+# Up to 16 segments, 2,063 characters in all. The segments are unbounded one by one inside that:
+# the CRD's pattern is RE2 (the API server's), which refuses a bounded repeat nested in
+# another ({0,127} inside {0,15} expands past its limit of 1,000), so the parser says the same.
+_KV_SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*"
+_KV_PATH = re.compile(rf"{_KV_SEGMENT}(/{_KV_SEGMENT}){{0,15}}")
+MAX_KV_PATH = 2063
 _KBS_RESOURCE = re.compile(rf"{_SEGMENT}/{_SEGMENT}/{_SEGMENT}")
 
 
@@ -232,7 +237,12 @@ def facts_of(state: MeshState, w: WorkloadState) -> Facts:
 # parsing
 
 
-def _str(raw: Any, pattern: re.Pattern[str], where: str, problems: list[str]) -> str:
+def _str(
+    raw: Any, pattern: re.Pattern[str], where: str, problems: list[str], max_len: int = 0
+) -> str:
+    if max_len and isinstance(raw, str) and len(raw) > max_len:
+        problems.append(f"{where}: at most {max_len} characters")
+        return ""
     if not isinstance(raw, str) or not pattern.fullmatch(raw):
         problems.append(f"{where}: must match {pattern.pattern}")
         return ""
@@ -263,7 +273,7 @@ def _parse_secret(raw: Any, where: str, problems: list[str]) -> SecretSpec | Non
             version = None
         source = KvSource(
             _str(kv.get("mount"), _MOUNT, f"{where}.kv.mount", problems),
-            _str(kv.get("path"), _KV_PATH, f"{where}.kv.path", problems),
+            _str(kv.get("path"), _KV_PATH, f"{where}.kv.path", problems, MAX_KV_PATH),
             version,
         )
     else:

@@ -19,16 +19,19 @@ from tests.kube_real.cluster import Cluster, CrdServer
 from tests.kube_real.install import MANIFESTS
 from tests.kube_real.rest import Rest, load_docs, wait_for
 from xds.meshpolicy import parse_mesh_policies
+from xds.secretpolicy import parse_secret_policies
 
 pytestmark = pytest.mark.integration
 
 CRDS = [
-    MANIFESTS / "crds" / f"{n}.attestmesh.dev.yaml" for n in ("attestationpolicies", "meshpolicies")
+    MANIFESTS / "crds" / f"{n}.attestmesh.dev.yaml"
+    for n in ("attestationpolicies", "meshpolicies", "secretpolicies")
 ]
 EXAMPLES = load_docs(
     [
         MANIFESTS / "examples" / "attestationpolicies.yaml",
         MANIFESTS / "examples" / "meshpolicies.yaml",
+        MANIFESTS / "examples" / "secretpolicies.yaml",
     ]
 )
 GPU = {"measurements": {"2": ["00" * 48]}}
@@ -79,6 +82,8 @@ def post(rest: Rest, doc: dict[str, Any], name: str) -> tuple[int, Any]:
 def parse(doc: dict[str, Any]) -> None:
     if doc["kind"] == "MeshPolicy":
         parse_mesh_policies([doc])
+    elif doc["kind"] == "SecretPolicy":
+        parse_secret_policies([doc])
     else:
         parse_policies([doc])
 
@@ -153,6 +158,21 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("tdx-td", _tdx({"allowedTees": ["tdx", "nvidia-gpu"], "requires": ["nvidia-gpu"]}),
      "nvidia-gpu in requires needs a CPU TEE to attach to", "needs a CPU TEE"),
 ]  # fmt: skip
+
+
+def _kv_path(path: str) -> Callable[[dict[str, Any]], None]:
+    def change(spec: dict[str, Any]) -> None:
+        spec["secrets"][0]["kv"]["path"] = path
+
+    return change
+
+
+# SecretPolicy paths: the schema's own pattern and length (RE2 on the server, re in the parser)
+SCHEMA_MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("payments", _kv_path("/".join(["s"] * 17)), "must match"),
+    ("payments", _kv_path("/".join(["x" * 128] * 16) + "y"), "at most 2063 characters"),
+    ("payments", _kv_path("../etc"), "must match"),
+]
 ACCEPTED_CHANGES = [
     _tdx({"onTcbChange": "quarantine", "tcbChangeGracePeriod": "24h"}),
     _tdx({"onTcbChange": "audit"}),
@@ -189,4 +209,32 @@ def test_valid_cross_field_combinations_are_accepted_by_both(
     change(doc["spec"])
     parse(doc)
     status, body = post(rest, doc, f"ok-{ACCEPTED_CHANGES.index(change)}")
+    assert status == 200, body
+
+
+@pytest.mark.parametrize(("name", "change", "parser_message"), SCHEMA_MISTAKES)
+def test_secret_policy_path_mistakes_are_rejected_by_both(
+    crd_server: tuple[CrdServer, Rest],
+    name: str,
+    change: Callable[[dict[str, Any]], None],
+    parser_message: str,
+) -> None:
+    _, rest = crd_server
+    doc = example(name)
+    change(doc["spec"])
+    with pytest.raises(PolicyError, match=parser_message):
+        parse(doc)
+    status, body = post(rest, doc, "broken-path")
+    assert status == 422, body
+    assert "spec.secrets[0].kv.path" in body["message"], body["message"]
+
+
+def test_a_secret_policy_path_of_16_segments_of_128_is_accepted_by_both(
+    crd_server: tuple[CrdServer, Rest],
+) -> None:
+    _, rest = crd_server
+    doc = example("payments")
+    _kv_path("/".join(["x" * 128] * 16))(doc["spec"])
+    parse(doc)
+    status, body = post(rest, doc, "long-path")
     assert status == 200, body

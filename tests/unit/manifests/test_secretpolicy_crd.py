@@ -107,6 +107,8 @@ MUTATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
     "kv-no-path": _drop("spec.secrets.0.kv.path"),
     "kv-path-dotdot-start": _set("spec.secrets.0.kv.path", "../etc"),
     "kv-path-trailing-slash": _set("spec.secrets.0.kv.path", "payments/"),
+    "kv-path-17-segments": _set("spec.secrets.0.kv.path", "/".join(["s"] * 17)),
+    "kv-path-too-long": _set("spec.secrets.0.kv.path", "/".join(["x" * 128] * 16) + "y"),
     "kv-version-zero": _set("spec.secrets.0.kv.version", 0),
     "transit-bad-op": _set("spec.secrets.1.transit.operations", ["sign"]),
     "transit-no-ops": _set("spec.secrets.1.transit.operations", []),
