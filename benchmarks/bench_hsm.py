@@ -31,11 +31,14 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.utils import Buffer
 
 from attestmesh.controlplane import AttestationLimiter, ControlPlane
 from attestmesh.metrics import Metrics
@@ -44,7 +47,7 @@ from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority, spki_der
 from certs.evidence import sim
 from certs.issuance import AttestRequest
-from certs.keystore import FILE_KEYS, KeyStore, Pkcs11KeyStore, open_key_store
+from certs.keystore import FILE_KEYS, FileKeyStore, KeyStore, Pkcs11KeyStore, open_key_store
 from certs.policy import parse_policies
 from sidecar.agent import build_csr
 from tests.softhsm_harness import init_token
@@ -135,9 +138,11 @@ async def round_rate(
 class SignTimer:
     """Wall and thread-CPU time of every token signature (``Pkcs11KeyStore.sign_digest``)."""
 
-    def __init__(self, store: Pkcs11KeyStore) -> None:
+    def __init__(self, store: Pkcs11KeyStore | None) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        if store is None:
+            return  # filled by TimedFileKey
         inner = store.sign_digest
 
         def timed(handle: object, digest: bytes) -> bytes:
@@ -158,6 +163,62 @@ class SignTimer:
         return statistics.median(self.wall) * 1e6, statistics.median(self.cpu) * 1e6
 
 
+class TimedFileKey(ec.EllipticCurvePrivateKey):
+    """A file key whose signatures are timed like ``SignTimer``'s (``--time-file-key``: the
+    file key's signature then goes through Python as the token's does)."""
+
+    def __init__(self, key: ec.EllipticCurvePrivateKey, timer: SignTimer) -> None:
+        self._key, self._timer = key, timer
+
+    def sign(self, data: Buffer, signature_algorithm: ec.EllipticCurveSignatureAlgorithm) -> bytes:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._key.sign(data, signature_algorithm)
+        finally:
+            self._timer.wall.append(time.perf_counter() - t0)
+            self._timer.cpu.append(time.thread_time() - c0)
+
+    def public_key(self) -> ec.EllipticCurvePublicKey:
+        return self._key.public_key()
+
+    @property
+    def curve(self) -> ec.EllipticCurve:
+        return self._key.curve
+
+    @property
+    def key_size(self) -> int:
+        return self._key.key_size
+
+    def exchange(self, algorithm: ec.ECDH, peer_public_key: ec.EllipticCurvePublicKey) -> bytes:
+        return self._key.exchange(algorithm, peer_public_key)
+
+    def private_numbers(self) -> ec.EllipticCurvePrivateNumbers:
+        return self._key.private_numbers()
+
+    def private_bytes(self, encoding: Any, format: Any, encryption_algorithm: Any) -> bytes:
+        return self._key.private_bytes(encoding, format, encryption_algorithm)
+
+    def __copy__(self) -> TimedFileKey:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> TimedFileKey:
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TimedFileKey) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
+class TimedFileKeys(FileKeyStore):
+    def __init__(self) -> None:
+        self.timer = SignTimer(None)
+
+    def generate(self, role: str) -> ec.EllipticCurvePrivateKey:
+        return TimedFileKey(super().generate(role), self.timer)
+
+
 def alone_us(store: Pkcs11KeyStore, key: object, n: int = 500) -> tuple[float, float]:
     """The same token signature, alone (no control plane around it): median wall, CPU."""
     digest = hashlib.sha256(b"tbs").digest()
@@ -171,7 +232,9 @@ def alone_us(store: Pkcs11KeyStore, key: object, n: int = 500) -> tuple[float, f
     return statistics.median(wall) * 1e6, statistics.median(cpu) * 1e6
 
 
-async def main(n: int, rounds: int, concurrency: int, sign_key: str = "session") -> float:
+async def main(
+    n: int, rounds: int, concurrency: int, sign_key: str = "session", time_file_key: bool = False
+) -> float:
     platform = ec.generate_private_key(ec.SECP256R1())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -179,8 +242,9 @@ async def main(n: int, rounds: int, concurrency: int, sign_key: str = "session")
         os.environ["SOFTHSM2_CONF"] = str(token.conf)
         store = open_key_store(f"{token.uri}&x-sign-key={sign_key}")
         assert isinstance(store, Pkcs11KeyStore)
+        file_keys = TimedFileKeys() if time_file_key else None
         cps = {
-            "file": make_cp(root / "file", FILE_KEYS, platform),
+            "file": make_cp(root / "file", file_keys or FILE_KEYS, platform),
             "pkcs11": make_cp(root / "pkcs11", store, platform),
         }
         alone = alone_us(store, cps["pkcs11"]._ca.intermediate.key)
@@ -188,6 +252,8 @@ async def main(n: int, rounds: int, concurrency: int, sign_key: str = "session")
         for cp in cps.values():  # warm: imports, first signatures, SQLite pages
             await round_rate(cp, requests(cp, platform, 20), concurrency)
         timer.reset()
+        if file_keys is not None:
+            file_keys.timer.reset()
         rates: dict[str, list[float]] = {k: [] for k in cps}
         cpus: dict[str, list[float]] = {k: [] for k in cps}
         for i in range(rounds):
@@ -198,6 +264,14 @@ async def main(n: int, rounds: int, concurrency: int, sign_key: str = "session")
                 cpus[name].append(cpu)
         inside = timer.medians_us()
         per_attestation = len(timer.wall) / (rounds * n)
+        file_inside = file_keys.timer.medians_us() if file_keys is not None else None
+        if file_keys is not None:
+            key = cps["file"]._ca.intermediate.key
+            assert isinstance(key, TimedFileKey)
+            file_keys.timer.reset()
+            for _ in range(500):
+                key.sign(b"tbs", ec.ECDSA(hashes.SHA256()))
+            file_alone = file_keys.timer.medians_us()
         for cp in cps.values():
             cp._store.close()
     file_rate, hsm_rate = (statistics.median(rates[k]) for k in ("file", "pkcs11"))
@@ -222,8 +296,14 @@ async def main(n: int, rounds: int, concurrency: int, sign_key: str = "session")
     print(
         f"  one token signature: inside the control plane {inside[0]:.0f} us wall "
         f"{inside[1]:.0f} us CPU; alone {alone[0]:.0f} us wall {alone[1]:.0f} us CPU; "
-        f"{per_attestation:.2f} token signatures per attestation (leaf, CRLs)"
+        f"{per_attestation:.2f} token signatures per attestation (leaf, EAR, CRLs)"
     )
+    if file_inside is not None:
+        print(
+            f"  one file-key signature: inside the control plane {file_inside[0]:.0f} us wall "
+            f"{file_inside[1]:.0f} us CPU; alone {file_alone[0]:.0f} us wall "
+            f"{file_alone[1]:.0f} us CPU (--time-file-key: the file key signs through Python)"
+        )
     return paired
 
 
@@ -233,5 +313,6 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--sign-key", choices=("session", "token"), default="session")
+    p.add_argument("--time-file-key", action="store_true", help="time the file key's signatures")
     a = p.parse_args()
-    asyncio.run(main(a.n, a.rounds, a.concurrency, a.sign_key))
+    asyncio.run(main(a.n, a.rounds, a.concurrency, a.sign_key, a.time_file_key))
