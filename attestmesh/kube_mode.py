@@ -711,9 +711,17 @@ class KubeMode:
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         async def healthz(_: web.Request) -> web.Response:
+            if self._cp is not None and not self._cp.healthy:  # a failed store write
+                return web.json_response({"status": "store_failed"}, status=503)
             return web.json_response({"status": "ok"})
 
         async def readyz(_: web.Request) -> web.Response:
+            # the same verdicts as the ops port's /readyz (attestmesh.serve): the kubelet
+            # probes this port, so a replica cut off from its database leaves the Service
+            if self._cp is not None and not self._cp.healthy:
+                return web.json_response({"status": "store_failed"}, status=503)
+            if self._cp is not None and not self._cp.ready:
+                return web.json_response({"status": "store_unreachable"}, status=503)
             if not self.synced.is_set():
                 return web.json_response({"status": "syncing"}, status=503)
             return web.json_response({"status": "ok", "leader": self.elector.is_leader})
