@@ -330,6 +330,7 @@ class Settings:
     envoy_rounds: int = 3  # quarantines measured by them (release + re-attestation between)
     envoy_interval_s: float = 0.005  # between one caller Envoy's requests
     py_spy: Path | None = None  # profile the control plane's phases into this directory
+    py_spy_phases: frozenset[str] | None = None  # which (None: streams, quarantine, first...)
 
 
 def log(msg: str) -> None:
@@ -857,7 +858,7 @@ async def run_mesh(
         async with aiohttp.ClientSession() as session:
             if not await _phase(f, "setup", run.setup(f)):
                 return f
-            prof = Profiler(s.py_spy)
+            prof = Profiler(s.py_spy, phases=s.py_spy_phases)
             async with prof.phase(run.cp.pid, f"n{n}-streams"):
                 if not await _phase(f, "streams", run.open_streams(f, run.lean)):
                     return f
@@ -1038,6 +1039,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="profile the control plane (py-spy record, folded stacks) during the streams, "
         "quarantine and first-attestation phases into this directory (slows what it samples)",
     )
+    p.add_argument(
+        "--py-spy-phases",
+        help="comma-separated phases --py-spy profiles: streams, quarantine, "
+        "first-attestation (default: all three)",
+    )
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -1073,6 +1079,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             envoy_rounds=max(1, args.envoy_rounds),
             envoy_interval_s=args.envoy_interval_ms / 1e3,
             py_spy=args.py_spy,
+            py_spy_phases=frozenset(args.py_spy_phases.split(",")) if args.py_spy_phases else None,
         )
         platform = ec.generate_private_key(ec.SECP256R1())
         sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"

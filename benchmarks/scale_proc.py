@@ -279,13 +279,19 @@ class Profiler:
     with any flame graph tool, or sort its lines by their trailing sample counts). Off (a
     no-op) without a directory. py-spy is not a dependency: ``pip install py-spy``."""
 
-    def __init__(self, out_dir: Path | None, rate: int = 250) -> None:
+    def __init__(
+        self, out_dir: Path | None, rate: int = 250, phases: frozenset[str] | None = None
+    ) -> None:
         self.out_dir = out_dir
         self.rate = rate
+        self.phases = phases  # None: every phase asked for
 
     @contextlib.asynccontextmanager
     async def phase(self, pid: int, name: str) -> Any:
-        if self.out_dir is None:
+        """Profile the block as ``name`` (``n<N>-<phase>``; a phase not in ``phases`` runs
+        unprofiled)."""
+        wanted = self.phases is None or name.split("-", 1)[-1] in self.phases
+        if self.out_dir is None or not wanted:
             yield
             return
         exe = Path(sys.executable).parent / "py-spy"
