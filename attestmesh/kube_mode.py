@@ -334,7 +334,6 @@ class KubeMode:
         self.source = KubeSource(
             kube,
             SourceCallbacks(
-                on_policies=self._ignore_parsed_policies,
                 on_mesh_policies=self._on_mesh_policies,
                 on_registration=self._on_registration,
                 on_removed=self._on_removed,
@@ -400,9 +399,6 @@ class KubeMode:
         return self._cp
 
     # -- source callbacks ---------------------------------------------------------------------
-
-    async def _ignore_parsed_policies(self, _: list[AttestationPolicy]) -> None:
-        return None  # on_policy_documents is used instead
 
     async def _on_policy_documents(self, docs: list[dict[str, Any]]) -> None:
         try:

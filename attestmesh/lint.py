@@ -59,7 +59,6 @@ RES_ENCLAVE_CPUS = "aws.ec2.nitro/nitro_enclaves_cpus"
 RES_HUGEPAGES = "hugepages-1Gi"
 HUGEPAGES_MEDIUM = "HugePages-1Gi"
 NITRO_PREFIX = "aws.ec2.nitro/"
-ENCLAVE_RESOURCES = (RES_ENCLAVES, RES_ENCLAVE_CPUS, RES_HUGEPAGES)
 LABEL_INSTANCE_CPU = "karpenter.k8s.aws/instance-cpu"
 LABEL_INSTANCE_MEMORY = "karpenter.k8s.aws/instance-memory"
 ANNOTATION_ALLOCATOR = "attestmesh.dev/enclave-allocator"

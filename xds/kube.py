@@ -38,7 +38,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from certs.errors import AttestmeshError, PolicyError
-from certs.policy import AttestationPolicy, parse_policies
+from certs.policy import parse_policies
 from xds.meshpolicy import MeshPolicy, parse_mesh_policies
 from xds.secretpolicy import SecretPolicy, parse_secret_policies
 from xds.state import Endpoint, MeshState, Registration, Status, Trigger
@@ -388,14 +388,6 @@ def reconcile(
         in_force[key] = policy
         accepted.append((key[0], key[1], gen))
     return Reconciled(in_force, tuple(accepted), tuple(refused))
-
-
-def parse_attestation_policy(docs: list[Any]) -> Sequence[AttestationPolicy]:
-    return parse_policies(docs)
-
-
-def parse_mesh_policy(docs: list[Any]) -> Sequence[MeshPolicy]:
-    return parse_mesh_policies(docs)
 
 
 def parse_secret_policy(docs: list[Any]) -> Sequence[SecretPolicy]:
@@ -983,7 +975,9 @@ class EventRecorder:
 
 @dataclass(slots=True)
 class SourceCallbacks:
-    on_policies: Callable[[list[AttestationPolicy]], Awaitable[None]]
+    # The AttestationPolicy documents in force (each the accepted version of its CR, server-set
+    # metadata dropped): the consumer parses them itself (``ControlPlane.set_policies``).
+    on_policy_documents: Callable[[list[dict[str, Any]]], Awaitable[None]]
     on_mesh_policies: Callable[[list[MeshPolicy]], Awaitable[None]]
     on_registration: Callable[[Registration], Awaitable[None]]
     on_removed: Callable[[str], Awaitable[None]]
@@ -991,10 +985,6 @@ class SourceCallbacks:
     # the current map either way.
     on_node: Callable[[NodeInfo], Awaitable[None]] | None = None
     on_node_removed: Callable[[str], Awaitable[None]] | None = None
-    # When set, called instead of ``on_policies`` with the documents in force (each the
-    # accepted version of its CR, server-set metadata dropped), for a consumer that parses
-    # policies itself (``ControlPlane.set_policies``).
-    on_policy_documents: Callable[[list[dict[str, Any]]], Awaitable[None]] | None = None
     # A pod carrying the injected annotation was listed or changed (its namespace), whether or
     # not it is registered yet: it may still wait for volumes (the trust bundle) to start.
     on_injected_pod: Callable[[str], Awaitable[None]] | None = None
@@ -1040,9 +1030,9 @@ class KubeSource:
         self.events = EventRecorder(kube, clock, instance)
         self.kinds = {
             "AttestationPolicy": _CrKind(
-                "AttestationPolicy", "attestationpolicies", parse_attestation_policy
+                "AttestationPolicy", "attestationpolicies", parse_policies
             ),
-            "MeshPolicy": _CrKind("MeshPolicy", "meshpolicies", parse_mesh_policy),
+            "MeshPolicy": _CrKind("MeshPolicy", "meshpolicies", parse_mesh_policies),
         }
         if callbacks.on_secret_policies is not None:
             self.kinds["SecretPolicy"] = _CrKind(
@@ -1158,10 +1148,8 @@ class KubeSource:
         if changed or not k.announced:
             k.announced = True
             values = [result.in_force[key] for key in sorted(result.in_force)]
-            if k.kind == "AttestationPolicy" and self.cb.on_policy_documents is not None:
+            if k.kind == "AttestationPolicy":
                 await self.cb.on_policy_documents([k.docs[key] for key in sorted(k.docs)])
-            elif k.kind == "AttestationPolicy":
-                await self.cb.on_policies(values)
             elif k.kind == "SecretPolicy":
                 if self.cb.on_secret_policies is not None:
                     await self.cb.on_secret_policies(values)

@@ -1,6 +1,6 @@
 """AMD Key Distribution Service (KDS): fetch SEV-SNP endorsement certificates, with a cache.
 
-URLs (``base`` defaults to ``https://kdsintf.amd.com``):
+URLs (``base``: the operator's ``--amd-kds-url``, AMD's is ``https://kdsintf.amd.com``):
 
 - VCEK (DER): ``{base}/vcek/v1/{product}/{hwid}?blSPL=..&teeSPL=..&snpSPL=..&ucodeSPL=..``,
   ``hwid`` = the report's ``chip_id`` in lowercase hex (Turin: its first 8 bytes, and a
@@ -46,7 +46,6 @@ from certs.evidence.sev_snp import (
 )
 
 __all__ = [
-    "KDS_BASE_URL",
     "KdsCollateralSource",
     "cert_chain_url",
     "crl_url",
@@ -54,8 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-KDS_BASE_URL = "https://kdsintf.amd.com"
 
 
 def vcek_url(base_url: str, product: Product, chip_id: bytes, tcb: TcbVersion) -> str:

@@ -1,6 +1,7 @@
 """Intel PCS (Provisioning Certification Service) v4 collateral for DCAP quotes, cached on disk.
 
-Endpoints (``base`` defaults to ``https://api.trustedservices.intel.com``):
+Endpoints (``base``: the operator's ``--intel-pcs-url``, Intel's is
+``https://api.trustedservices.intel.com``):
 
 * TCB info: ``{base}/{sgx|tdx}/certification/v4/tcb?fmspc=<hex>``; issuer chain in the
   ``TCB-Info-Issuer-Chain`` header (URL-encoded PEM; v3 used ``SGX-TCB-Info-Issuer-Chain``).
@@ -38,7 +39,6 @@ from certs.evidence.intel_dcap import (
     split_signed_response,
 )
 
-INTEL_PCS_URL = "https://api.trustedservices.intel.com"
 INTEL_ROOT_CA_CRL_URL = "https://certificates.trustedservices.intel.com/IntelSGXRootCA.der"
 
 TCB_INFO_CHAIN_HEADERS = ("TCB-Info-Issuer-Chain", "SGX-TCB-Info-Issuer-Chain")

@@ -22,7 +22,7 @@ from certs.evidence.intel_dcap import (
     quote_tee_type,
 )
 
-__all__ = ["SgxDcapVerifier", "SgxVerifier", "claims_from", "looks_like"]
+__all__ = ["SgxVerifier", "claims_from", "looks_like"]
 
 
 def looks_like(evidence: bytes) -> bool:
@@ -45,9 +45,6 @@ class SgxVerifier:
         if verified.quote.is_tdx:
             raise EvidenceVerificationError("wrong_tee", "a TDX quote given to the SGX verifier")
         return claims_from(verified, evidence)
-
-
-SgxDcapVerifier = SgxVerifier
 
 
 def claims_from(v: VerifiedQuote, evidence: bytes) -> Claims:

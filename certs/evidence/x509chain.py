@@ -89,12 +89,6 @@ class ParsedCertificate:
     def issuer_text(self) -> str:
         return self.issuer.rfc4514_string()
 
-    @property
-    def common_name(self) -> str:
-        attrs = self.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
-        value = attrs[0].value if attrs else ""
-        return value if isinstance(value, str) else value.decode("utf-8", "replace")
-
     def basic_constraints(self) -> x509.BasicConstraints | None:
         try:
             return self.extensions.get_extension_for_class(x509.BasicConstraints).value
@@ -248,11 +242,6 @@ def parse_certificates(
         _certificate_invalid("certificate bundle"),
         allow_nonpositive_serial=allow_nonpositive_serial,
     )
-
-
-def load_certificate(data: bytes) -> x509.Certificate:
-    """Load one DER or PEM certificate strictly; raise EvidenceFormatError on anything else."""
-    return parse_certificate(data).cert
 
 
 def load_pem_chain(data: bytes) -> tuple[bytes, ...]:

@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
-from certs.policy import AttestationPolicy
+from certs.policy import AttestationPolicy, parse_policies
 from tests.fakekube import FakeKube
 from xds.kube import (
     CONDITION_ACCEPTED,
@@ -210,8 +210,8 @@ class Recorder:
         self.removed: list[str] = []
 
     def callbacks(self) -> SourceCallbacks:
-        async def on_policies(p: list[AttestationPolicy]) -> None:
-            self.policies.append(p)
+        async def on_policy_documents(docs: list[dict[str, Any]]) -> None:
+            self.policies.append(list(parse_policies(docs)))
 
         async def on_mesh(p: list[MeshPolicy]) -> None:
             self.mesh.append(p)
@@ -222,7 +222,7 @@ class Recorder:
         async def on_removed(n: str) -> None:
             self.removed.append(n)
 
-        return SourceCallbacks(on_policies, on_mesh, on_reg, on_removed)
+        return SourceCallbacks(on_policy_documents, on_mesh, on_reg, on_removed)
 
 
 @contextlib.asynccontextmanager
