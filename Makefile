@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: demo test install install-test lint typecheck pytest bench clean
+.PHONY: demo test install install-test lint typecheck imports pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,9 @@ install-test: $(BIN)/python
 demo: install
 	$(BIN)/attestmesh demo
 
-## Install the test extras and run every gate: ruff, mypy --strict, pytest (warnings are errors).
-test: install-test lint typecheck pytest
+## Install the test extras and run every gate: ruff, mypy --strict, the import-layer contracts
+## (lint-imports, [tool.importlinter] in pyproject.toml), pytest (warnings are errors).
+test: install-test lint typecheck imports pytest
 
 lint:
 	$(BIN)/ruff check .
@@ -28,6 +29,9 @@ lint:
 
 typecheck:
 	$(BIN)/mypy
+
+imports:
+	$(BIN)/lint-imports --no-cache
 
 pytest:
 	$(BIN)/pytest -q

@@ -8,20 +8,17 @@ import contextlib
 import logging
 import signal
 import sys
-import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from pydantic.warnings import PydanticDeprecatedSince212
 
 from certs.errors import AttestmeshError
 from sidecar.agent import Agent, EvidenceSource, SimEvidenceSource, client_ssl_context
 from sidecar.collectors import DEVICE_TEES, device_source
-from sidecar.sds import LocalSds, start_sds
+from sidecar.sds import LocalSds, check_sds, start_sds
 from sidecar.secrets import FanOut, SecretFetcher, start_socket
 
 log = logging.getLogger(__name__)
@@ -115,67 +112,6 @@ def check_agent_args(args: argparse.Namespace) -> None:
     missing = [flag for attr, flag in _REQUIRED if getattr(args, attr) is None]
     if missing:
         raise AttestmeshError("usage", f"agent needs {', '.join(missing)} (unless --check)")
-
-
-async def check_sds(path: Path, *, now: datetime, timeout_s: float) -> x509.Certificate:
-    """Fetch the workload certificate from the SDS socket at ``path`` as Envoy does; return its
-    leaf when one is served and valid at ``now``, else raise ``AttestmeshError``."""
-    import grpclib.const
-    import grpclib.exceptions
-    from grpclib.client import Channel
-
-    from xds.resources import SDS_SERVICE, WORKLOAD_CERT, TypeUrl
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PydanticDeprecatedSince212)
-        from envoy_data_plane.envoy.config.core.v3 import Node
-        from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import Secret
-        from envoy_data_plane.envoy.service.discovery.v3 import (
-            DiscoveryRequest,
-            DiscoveryResponse,
-        )
-
-    channel = Channel(path=str(path))
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with channel.request(
-                f"/{SDS_SERVICE}/StreamSecrets",
-                grpclib.const.Cardinality.STREAM_STREAM,
-                DiscoveryRequest,
-                DiscoveryResponse,
-            ) as stream:
-                await stream.send_message(
-                    DiscoveryRequest(
-                        node=Node(id="attestmesh-agent-check"),
-                        type_url=TypeUrl.SECRET,
-                        resource_names=[WORKLOAD_CERT],
-                    )
-                )
-                resp = await stream.recv_message()
-                await stream.cancel()
-    except TimeoutError:
-        raise AttestmeshError(
-            "sds_not_ready", f"{path} served no certificate within {timeout_s}s"
-        ) from None
-    except (OSError, grpclib.exceptions.GRPCError, grpclib.exceptions.StreamTerminatedError) as exc:
-        raise AttestmeshError("sds_not_ready", f"{path}: {exc}") from None
-    finally:
-        channel.close()
-    chain = b""
-    for res in resp.resources if resp is not None else []:
-        msg = res.unpack()
-        if isinstance(msg, Secret) and msg.name == WORKLOAD_CERT and msg.tls_certificate:
-            source = msg.tls_certificate.certificate_chain
-            chain = (source.inline_bytes or b"") if source is not None else b""
-    try:
-        leaf = x509.load_pem_x509_certificates(chain)[0]
-    except (ValueError, IndexError):
-        raise AttestmeshError("sds_not_ready", f"{path} served no certificate") from None
-    if not leaf.not_valid_before_utc <= now < leaf.not_valid_after_utc:
-        raise AttestmeshError(
-            "sds_not_ready", f"the certificate {path} serves expired {leaf.not_valid_after_utc}"
-        )
-    return leaf
 
 
 def _check(args: argparse.Namespace) -> int:

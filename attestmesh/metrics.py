@@ -107,3 +107,18 @@ class Metrics:
             ["listener", "result"],
             registry=r,
         )
+
+    # The narrow protocols lower layers count through (certs.api.ApiMetrics,
+    # xds.server.XdsMetrics): they name an event, not the metrics class.
+
+    def api_rejected(self, endpoint: str, reason: str) -> None:
+        self.api_rejections.labels(endpoint, reason).inc()
+
+    def xds_nack(self, type_short: str) -> None:
+        self.xds_nacks.labels(type_short).inc()
+
+    def xds_acked(self, type_short: str, seconds: float) -> None:
+        self.xds_push_ack_seconds.labels(type_short).observe(seconds)
+
+    def xds_stream(self, delta: int) -> None:
+        self.xds_streams.inc(delta)

@@ -67,6 +67,7 @@ from xds.meshpolicy import parse_mesh_policies
 from xds.pb import install_validator_cache
 from xds.publisher import XdsPublisher
 from xds.registrations import parse_registrations
+from xds.resources import control_plane_spiffe_id as control_plane_spiffe_id
 from xds.server import AdsServer, PeerIdentity, warm
 from xds.state import MeshState, Registration, Status, Trigger
 from xds.store import GroupCommitStore
@@ -139,10 +140,6 @@ SERVER_CERT_TTL = timedelta(hours=24)
 # A new CRL reaches at once the nodes whose rules admit the identity that changed; the rest,
 # which deny it by RBAC anyway, get it in one coalesced fan-out this much later.
 TRUST_FANOUT_DELAY = timedelta(seconds=1)
-
-
-def control_plane_spiffe_id(trust_domain: str) -> str:
-    return f"spiffe://{trust_domain}/ns/attestmesh-system/sa/controlplane"
 
 
 def _load_server_cert(

@@ -18,12 +18,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from attestmesh.metrics import Metrics
 from certs.ca import CsrError
 from certs.errors import AttestmeshError, CollateralError
 from certs.issuance import AttestRequest, EvidenceRejected, IdentityError
 from certs.nonces import NonceError
-from xds.state import QuarantinedError, Status, UnknownWorkloadError
+from certs.standing import QuarantinedError, Status, UnknownWorkloadError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20
@@ -45,6 +44,12 @@ class Issuing(Protocol):
     def trust_json(self) -> dict[str, str]: ...
 
     def withdraw(self, issued: Any) -> bool: ...
+
+
+class ApiMetrics(Protocol):
+    """What the API counts (the composition root's metrics provide it)."""
+
+    def api_rejected(self, endpoint: str, reason: str) -> None: ...
 
 
 class RequestError(AttestmeshError):
@@ -125,7 +130,7 @@ def issued_json(issued: Any) -> dict[str, Any]:
     }
 
 
-def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
+def build_app(cp: Issuing, metrics: ApiMetrics) -> web.Application:
     def guarded(
         endpoint: str, handler: Callable[[web.Request], Awaitable[web.Response]]
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -133,7 +138,7 @@ def build_app(cp: Issuing, metrics: Metrics) -> web.Application:
             try:
                 return await handler(request)
             except AttestmeshError as exc:
-                metrics.api_rejections.labels(endpoint, exc.reason).inc()
+                metrics.api_rejected(endpoint, exc.reason)
                 status, body = public_error(exc)
                 if body["error"] != exc.reason or body["detail"] != exc.detail:
                     log.debug("%s refused: %s: %s", endpoint, exc.reason, exc.detail)

@@ -9,29 +9,34 @@ cluster with ``api_config_source: GRPC``, i.e. the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
 import warnings
+from datetime import datetime
 from pathlib import Path
 
 import grpclib.const
+import grpclib.exceptions
 import grpclib.server
+from cryptography import x509
+from grpclib.client import Channel
 from pydantic.warnings import PydanticDeprecatedSince212
 
-from attestmesh.metrics import Metrics
+from certs.errors import AttestmeshError
 from xds import pb
 from xds.build import Snapshot
 from xds.cache import SnapshotCache
 from xds.resources import SDS_SERVICE, WORKLOAD_CERT, TypeUrl
-from xds.server import serve_sotw_stream, warm
+from xds.server import UNCOUNTED, XdsMetrics, serve_sotw_stream, warm
 
 with warnings.catch_warnings():
     # generated code uses a pydantic 2.12-deprecated validator form; harmless, noisy
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
-    from envoy_data_plane.envoy.config.core.v3 import DataSource
+    from envoy_data_plane.envoy.config.core.v3 import DataSource, Node
     from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import Secret, TlsCertificate
-    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest
+    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 
 _LOCAL = "local"  # every stream on the socket is the local Envoy: one cache slot
 
@@ -49,9 +54,9 @@ def build_workload_secret(cert_chain_pem: bytes, key_pem: bytes) -> Secret:
 class LocalSds:
     """grpclib service for SecretDiscoveryService.StreamSecrets, serving one secret."""
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: XdsMetrics | None = None) -> None:
         self._cache = SnapshotCache()
-        self._metrics = metrics or Metrics()
+        self._metrics = UNCOUNTED if metrics is None else metrics
         self.rotations = 0
 
     def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
@@ -111,4 +116,56 @@ async def start_sds(sds: LocalSds, path: Path) -> grpclib.server.Server:
     return server
 
 
-__all__ = ["LocalSds", "bind_private_unix_socket", "build_workload_secret", "start_sds"]
+async def check_sds(path: Path, *, now: datetime, timeout_s: float) -> x509.Certificate:
+    """Fetch the workload certificate from the SDS socket at ``path`` as Envoy does; return its
+    leaf when one is served and valid at ``now``, else raise ``AttestmeshError``."""
+    channel = Channel(path=str(path))
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with channel.request(
+                f"/{SDS_SERVICE}/StreamSecrets",
+                grpclib.const.Cardinality.STREAM_STREAM,
+                DiscoveryRequest,
+                DiscoveryResponse,
+            ) as stream:
+                await stream.send_message(
+                    DiscoveryRequest(
+                        node=Node(id="attestmesh-agent-check"),
+                        type_url=TypeUrl.SECRET,
+                        resource_names=[WORKLOAD_CERT],
+                    )
+                )
+                resp = await stream.recv_message()
+                await stream.cancel()
+    except TimeoutError:
+        raise AttestmeshError(
+            "sds_not_ready", f"{path} served no certificate within {timeout_s}s"
+        ) from None
+    except (OSError, grpclib.exceptions.GRPCError, grpclib.exceptions.StreamTerminatedError) as exc:
+        raise AttestmeshError("sds_not_ready", f"{path}: {exc}") from None
+    finally:
+        channel.close()
+    chain = b""
+    for res in resp.resources if resp is not None else []:
+        msg = res.unpack()
+        if isinstance(msg, Secret) and msg.name == WORKLOAD_CERT and msg.tls_certificate:
+            source = msg.tls_certificate.certificate_chain
+            chain = (source.inline_bytes or b"") if source is not None else b""
+    try:
+        leaf = x509.load_pem_x509_certificates(chain)[0]
+    except (ValueError, IndexError):
+        raise AttestmeshError("sds_not_ready", f"{path} served no certificate") from None
+    if not leaf.not_valid_before_utc <= now < leaf.not_valid_after_utc:
+        raise AttestmeshError(
+            "sds_not_ready", f"the certificate {path} serves expired {leaf.not_valid_after_utc}"
+        )
+    return leaf
+
+
+__all__ = [
+    "LocalSds",
+    "bind_private_unix_socket",
+    "build_workload_secret",
+    "check_sds",
+    "start_sds",
+]

@@ -56,6 +56,11 @@ XDS_CLUSTER = "xds"
 SDS_CLUSTER = "sds-local"
 
 
+def control_plane_spiffe_id(trust_domain: str) -> str:
+    """The SPIFFE ID of the control plane's xDS (and API) server: what bootstraps pin."""
+    return f"spiffe://{trust_domain}/ns/attestmesh-system/sa/controlplane"
+
+
 def outbound_name(service: str) -> str:
     """Name of the outbound listener, cluster and load assignment for ``service``."""
     return f"out|{service}"

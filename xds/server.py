@@ -57,7 +57,6 @@ import grpclib.server
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from pydantic.warnings import PydanticDeprecatedSince212
 
-from attestmesh.metrics import Metrics
 from xds import pb, sync_status
 from xds.build import (
     Packer,
@@ -95,6 +94,33 @@ log = logging.getLogger(__name__)
 _NONCES_KEPT = 8
 
 
+class XdsMetrics(Protocol):
+    """What xDS streams count (the composition root's metrics provide it; ``type_short`` is
+    ``TypeUrl.short``, a bounded label)."""
+
+    def xds_nack(self, type_short: str) -> None: ...
+
+    def xds_acked(self, type_short: str, seconds: float) -> None:
+        """A response was ACKed ``seconds`` after it was sent."""
+
+    def xds_stream(self, delta: int) -> None:
+        """A stream opened (+1) or closed (-1)."""
+
+
+class _Uncounted:
+    def xds_nack(self, type_short: str) -> None:
+        pass
+
+    def xds_acked(self, type_short: str, seconds: float) -> None:
+        pass
+
+    def xds_stream(self, delta: int) -> None:
+        pass
+
+
+UNCOUNTED: XdsMetrics = _Uncounted()
+
+
 @dataclass(slots=True)
 class _Sent:
     version: str
@@ -117,7 +143,7 @@ class _TypeState:
 class AdsSession:
     """The protocol state of one ADS stream. Feed it requests, ask it for responses."""
 
-    def __init__(self, node: str, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(self, node: str, metrics: XdsMetrics, clock: Callable[[], float]) -> None:
         self.node = node
         self._metrics = metrics
         self._clock = clock
@@ -153,7 +179,7 @@ class AdsSession:
         if req.error_detail is not None and req.version_info != sent.version:
             message = req.error_detail.message
             sent.nacked = True
-            self._metrics.xds_nacks.labels(type_url.short).inc()
+            self._metrics.xds_nack(type_url.short)
             self.nacks.append((type_url, message))
             del self.nacks[:-16]
             log.warning(
@@ -161,9 +187,7 @@ class AdsSession:
             )
         elif not sent.acked:
             sent.acked = True
-            self._metrics.xds_push_ack_seconds.labels(type_url.short).observe(
-                max(0.0, self._clock() - sent.at)
-            )
+            self._metrics.xds_acked(type_url.short, max(0.0, self._clock() - sent.at))
 
     def responses(self, snapshot: Snapshot) -> Iterator[bytes]:
         """Encoded DiscoveryResponses now due, in ADS order (a generator: state advances as each
@@ -226,7 +250,7 @@ class DeltaSession:
     def __init__(
         self,
         node: str,
-        metrics: Metrics,
+        metrics: XdsMetrics,
         clock: Callable[[], float],
         versions: VersionOf,
     ) -> None:
@@ -319,7 +343,7 @@ class DeltaSession:
                         st.rejected = {}
                     st.rejected[name] = after
             message = req.error_detail.message
-            self._metrics.xds_nacks.labels(type_url.short).inc()
+            self._metrics.xds_nack(type_url.short)
             self.nacks.append((type_url, message))
             del self.nacks[:-16]
             log.warning(
@@ -330,9 +354,7 @@ class DeltaSession:
                 message,
             )
         else:
-            self._metrics.xds_push_ack_seconds.labels(type_url.short).observe(
-                max(0.0, self._clock() - sent.at)
-            )
+            self._metrics.xds_acked(type_url.short, max(0.0, self._clock() - sent.at))
 
     def _diff(
         self, st: _DeltaType, available: Mapping[str, bytes]
@@ -429,13 +451,13 @@ class AdsServer:
     def __init__(
         self,
         cache: SnapshotCache,
-        metrics: Metrics | None = None,
+        metrics: XdsMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         authorize: Authorize | None = None,
         versions: VersionOf | None = None,
     ) -> None:
         self._cache = cache
-        self._metrics = metrics or Metrics()
+        self._metrics = UNCOUNTED if metrics is None else metrics
         self._clock = clock
         self._authorize = authorize
         self.versions: VersionOf = versions or resource_version
@@ -577,7 +599,7 @@ class _Session(Protocol[_ReqIn]):
 async def serve_sotw_stream(
     stream: grpclib.server.Stream[DiscoveryRequest, pb.Encoded],
     cache: SnapshotCache,
-    metrics: Metrics,
+    metrics: XdsMetrics,
     clock: Callable[[], float],
     node_key: Callable[[DiscoveryRequest], str],
     still_allowed: StillAllowed | None = None,
@@ -596,7 +618,7 @@ async def serve_sotw_stream(
 async def serve_delta_stream(
     stream: grpclib.server.Stream[DeltaDiscoveryRequest, pb.Encoded],
     cache: SnapshotCache,
-    metrics: Metrics,
+    metrics: XdsMetrics,
     clock: Callable[[], float],
     node_key: Callable[[DeltaDiscoveryRequest], str],
     versions: VersionOf,
@@ -615,7 +637,7 @@ async def serve_delta_stream(
 async def _serve(
     stream: grpclib.server.Stream[_Req, pb.Encoded],
     cache: SnapshotCache,
-    metrics: Metrics,
+    metrics: XdsMetrics,
     node: str,
     session: _Session[_Req],
     first: _Req,
@@ -624,7 +646,7 @@ async def _serve(
     session.on_request(first)
     closed = False
     revoked = False
-    metrics.xds_streams.inc()
+    metrics.xds_stream(+1)
     sync_status.opened(cache, node, session)
     try:
         with cache.watch(node) as watch:
@@ -658,7 +680,7 @@ async def _serve(
                     for message in session.responses(snapshot):
                         await stream.send_message(pb.Encoded(message))
     finally:
-        metrics.xds_streams.dec()
+        metrics.xds_stream(-1)
         sync_status.closed(cache, node, session)
     if revoked:
         _close_soon(stream)
@@ -706,7 +728,7 @@ async def start_ads(
     cache: SnapshotCache,
     host: str,
     port: int,
-    metrics: Metrics | None = None,
+    metrics: XdsMetrics | None = None,
 ) -> tuple[grpclib.server.Server, AdsServer]:
     """Cache betterproto2 validators (xds.pb), warm the message classes, then listen. The
     caller closes the server (``server.close(); await server.wait_closed()``)."""
@@ -719,6 +741,7 @@ async def start_ads(
 
 
 __all__ = [
+    "UNCOUNTED",
     "AdsServer",
     "AdsSession",
     "Authorize",
@@ -727,6 +750,7 @@ __all__ = [
     "ResourceVersions",
     "StillAllowed",
     "VersionOf",
+    "XdsMetrics",
     "peer_identity",
     "peer_uri_sans",
     "serve_delta_stream",

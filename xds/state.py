@@ -11,14 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims
-
-
-class Status(enum.StrEnum):
-    PENDING = "pending"  # registered or released; no certificate may be used yet
-    ATTESTED = "attested"
-    QUARANTINED = "quarantined"
+from certs.standing import QuarantinedError as QuarantinedError
+from certs.standing import Status as Status
+from certs.standing import UnknownWorkloadError as UnknownWorkloadError
 
 
 class Trigger(enum.StrEnum):
@@ -29,14 +25,6 @@ class Trigger(enum.StrEnum):
     TCB_REVOKED = "tcb_revoked"
     TCB_CHANGED = "tcb_changed"  # re-appraisal after vendor collateral or a minimum TCB moved
     OPERATOR = "operator"
-
-
-class QuarantinedError(AttestmeshError):
-    """The workload is quarantined: no certificate is issued to it."""
-
-
-class UnknownWorkloadError(AttestmeshError):
-    """No registration exists for this workload."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,7 +188,7 @@ def _write_private(path: Path, text: str) -> None:
 
 
 async def _sds_status(sds: Path) -> Status:
-    from attestmesh.agent_cmd import check_sds
+    from sidecar.sds import check_sds
 
     try:
         leaf = await check_sds(sds, now=datetime.now(UTC), timeout_s=2.0)
@@ -382,9 +382,9 @@ Spawn = Callable[[str, Sequence[str]], Awaitable[asyncio.subprocess.Process]]
 async def _start_envoy(
     s: EnclaveInitSettings, cfg: EnclaveConfig, ca: Path, sds: Path, spawn: Spawn
 ) -> None:
-    from attestmesh.serve import control_plane_spiffe_id
     from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap
     from sidecar.envoy_proc import envoy_command
+    from xds.resources import control_plane_spiffe_id
 
     boot = build_bootstrap(
         cfg.workload,

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from attestmesh.agent_cmd import _source, check_agent_args, check_sds
+from attestmesh.agent_cmd import _source, check_agent_args
 from attestmesh.cli import build_parser
 from attestmesh.cli import main as cli_main
 from attestmesh.serve import control_plane_spiffe_id
@@ -45,7 +45,7 @@ from sidecar.inject import (
     SimInjection,
     mutate,
 )
-from sidecar.sds import LocalSds, start_sds
+from sidecar.sds import LocalSds, check_sds, start_sds
 from tests.integration.envoy_harness import validate_config
 from tests.unit.inject.jsonpatch import apply_patch
 from xds.kube import workload_name
