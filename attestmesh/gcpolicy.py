@@ -19,13 +19,15 @@ The policy:
   reference counting) are reclaimed by one full collection (unfreeze, collect, freeze) when
   either (a) the connections closed since the last one exceed ``churn_ratio`` x the open ones
   (a closed connection's TLS/HTTP/2/gRPC objects are the cyclic garbage a server makes), or
-  (b) the frozen population exceeds ``growth`` x what the last full collection kept, scaled by
-  how much the number of open connections grew since (a mesh that grows is not a leak; a
-  population that grows without connections is). Such pauses come in proportion to churn, not
-  to mesh size x time, and memory held by garbage stays bounded. Full collections are spaced
-  by at least ``min_spacing_s`` and ``duty`` x the last one's duration apart, so churn an
-  unauthenticated peer can cause (connections opened and dropped) stalls the loop for at most
-  1/``duty`` of the time.
+  (b) the process's resident memory exceeds ``growth`` x what it was after the last full
+  collection, scaled by how much the number of open connections grew since (a mesh that grows
+  is not a leak; memory that grows without connections is). Resident memory is read from
+  /proc (O(1)); counting the frozen objects (``gc.get_freeze_count``) walks all of them -- at
+  10,000 streams ~4 million, 0.1-0.3 s with the loop stopped -- and is never done. Such
+  pauses come in proportion to churn, not to mesh size x time, and memory held by garbage
+  stays bounded. Full collections are spaced by at least ``min_spacing_s`` and ``duty`` x the
+  last one's duration apart, so churn an unauthenticated peer can cause (connections opened
+  and dropped) stalls the loop for at most 1/``duty`` of the time.
 
 The decision is pure (:func:`decide`); :class:`GcPolicy` applies it through injected collector
 functions (the ``gc`` module's by default).
@@ -38,9 +40,11 @@ import contextlib
 import enum
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +56,8 @@ class GcAction(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class GcLimits:
-    growth: float = 2.0  # frozen population / expected population that calls for a collection
-    floor: int = 200_000  # expected population counted as at least this (small processes)
+    growth: float = 2.0  # resident memory / expected resident memory that calls for a collection
+    floor: int = 512 << 20  # expected resident bytes counted as at least this
     churn_ratio: float = 0.5  # connections closed since the last collection / open now
     churn_floor: int = 2_000  # ... counted as at least this many
     conn_smoothing: int = 1_000  # added to connection counts when scaling the expectation
@@ -73,10 +77,10 @@ class GcLimits:
 
 @dataclass(frozen=True, slots=True)
 class GcSample:
-    """What the policy looks at: the frozen population and the connections, now and as they
+    """What the policy looks at: resident memory and the connections, now and as they
     were right after the last full collection (the base)."""
 
-    frozen: int
+    size: int  # resident memory, bytes
     open_connections: int
     closed_connections: int  # ever closed, process-wide (monotonic)
 
@@ -89,8 +93,8 @@ def decide(
     last_full_s: float = 0.0,
 ) -> GcAction:
     """A full collection is due once the connections closed since ``base`` exceed
-    ``churn_ratio`` x the open ones, or the frozen population exceeds ``growth`` x the one
-    ``base`` kept scaled by the growth in open connections -- and the last one ended
+    ``churn_ratio`` x the open ones, or resident memory exceeds ``growth`` x what ``base``
+    had, scaled by the growth in open connections -- and the last one ended
     ``since_full_s`` ago, past the spacing (it took ``last_full_s``); otherwise freeze the
     survivors."""
     if since_full_s < max(limits.min_spacing_s, limits.duty * last_full_s):
@@ -100,8 +104,19 @@ def decide(
         return GcAction.FULL
     k = limits.conn_smoothing
     scale = max(1.0, (now.open_connections + k) / (base.open_connections + k))
-    expected = max(limits.floor, base.frozen * scale)
-    return GcAction.FULL if now.frozen > limits.growth * expected else GcAction.FREEZE
+    expected = max(limits.floor, base.size * scale)
+    return GcAction.FULL if now.size > limits.growth * expected else GcAction.FREEZE
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (``/proc/self/statm``; 0 where there is no /proc)."""
+    try:
+        return int(Path("/proc/self/statm").read_bytes().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +126,7 @@ class Collector:
     freeze: Callable[[], None] = gc.freeze
     unfreeze: Callable[[], None] = gc.unfreeze
     collect: Callable[[], int] = gc.collect
-    frozen: Callable[[], int] = gc.get_freeze_count
+    size: Callable[[], int] = resident_bytes
 
 
 class GcPolicy:
@@ -128,8 +143,7 @@ class GcPolicy:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.interval_s = interval_s
-        # counting the frozen objects walks them all (CPython's gc.get_freeze_count is O(n)):
-        # decide only every ``check_s`` (full collections are minutes apart anyway)
+        # decide every ``check_s`` (full collections are minutes apart anyway)
         self.check_s = check_s
         self._checked = -float("inf")
         self.limits = limits or GcLimits()
@@ -147,7 +161,7 @@ class GcPolicy:
 
     def _sample(self) -> GcSample:
         open_now, closed = self._connections()
-        return GcSample(self._gc.frozen(), open_now, closed)
+        return GcSample(self._gc.size(), open_now, closed)
 
     def start(self) -> None:
         """Freeze everything alive now (call once the process is up: state loaded, served)."""
@@ -172,9 +186,9 @@ class GcPolicy:
             self._full_ended = self._clock()
             self.last_full_s = self._full_ended - t0
             log.info(
-                "full garbage collection: %d collected, %d objects kept, %.3f s",
+                "full garbage collection: %d collected, %d MB resident after, %.3f s",
                 collected,
-                self._base.frozen,
+                self._base.size >> 20,
                 self.last_full_s,
             )
         else:

@@ -1,5 +1,5 @@
 """attestmesh.gcpolicy: survivors are frozen every tick; a full collection comes only for
-connection churn or for a frozen population grown past what the open connections explain, and
+connection churn or for resident memory grown past what the open connections explain, and
 never closer together than the spacing."""
 
 from __future__ import annotations
@@ -9,7 +9,15 @@ import gc
 
 import pytest
 
-from attestmesh.gcpolicy import Collector, GcAction, GcLimits, GcPolicy, GcSample, decide
+from attestmesh.gcpolicy import (
+    Collector,
+    GcAction,
+    GcLimits,
+    GcPolicy,
+    GcSample,
+    decide,
+    resident_bytes,
+)
 
 L = GcLimits(growth=2.0, floor=100, churn_ratio=0.5, churn_floor=10, conn_smoothing=1,
              min_spacing_s=60.0, duty=20.0)  # fmt: skip
@@ -17,7 +25,7 @@ FULL, FREEZE = GcAction.FULL, GcAction.FREEZE
 
 
 def test_growth_beyond_what_connections_explain_calls_for_a_full_collection() -> None:
-    base = GcSample(frozen=1_000, open_connections=9, closed_connections=0)
+    base = GcSample(size=1_000, open_connections=9, closed_connections=0)
     assert decide(GcSample(2_000, 9, 0), base, L) is FREEZE
     assert decide(GcSample(2_001, 9, 0), base, L) is FULL
     # ten times the connections (9+1 -> 99+1): ten times the objects is a grown mesh, no leak
@@ -31,17 +39,17 @@ def test_growth_beyond_what_connections_explain_calls_for_a_full_collection() ->
 
 
 def test_connection_churn_calls_for_a_full_collection() -> None:
-    base = GcSample(frozen=1_000, open_connections=100, closed_connections=500)
+    base = GcSample(size=1_000, open_connections=100, closed_connections=500)
     assert decide(GcSample(1_000, 100, 550), base, L) is FREEZE  # 50 closed <= 0.5 x 100
     assert decide(GcSample(1_000, 100, 551), base, L) is FULL
     # the churn floor: a few closes among few connections are not worth a collection
-    small = GcSample(frozen=1_000, open_connections=2, closed_connections=0)
+    small = GcSample(size=1_000, open_connections=2, closed_connections=0)
     assert decide(GcSample(1_000, 2, 10), small, L) is FREEZE
     assert decide(GcSample(1_000, 2, 11), small, L) is FULL
 
 
 def test_full_collections_are_spaced_by_time_and_by_their_own_cost() -> None:
-    base = GcSample(frozen=1_000, open_connections=100, closed_connections=0)
+    base = GcSample(size=1_000, open_connections=100, closed_connections=0)
     due = GcSample(1_000, 100, 10_000)  # churn far past the limit
     assert decide(due, base, L, since_full_s=59.9, last_full_s=0.1) is FREEZE
     assert decide(due, base, L, since_full_s=60.0, last_full_s=0.1) is FULL
@@ -73,7 +81,8 @@ class FakeProcess:
         self.calls: list[str] = []
 
     def collector(self) -> Collector:
-        return Collector(self.freeze, self.unfreeze, self.collect, lambda: self.frozen)
+        # resident memory follows the tracked objects, garbage included
+        return Collector(self.freeze, self.unfreeze, self.collect, lambda: self.alive)
 
     def freeze(self) -> None:
         self.calls.append("freeze")
@@ -125,18 +134,18 @@ def test_policy_freezes_a_growing_mesh_and_collects_after_churn() -> None:
     assert policy.tick() is FULL
 
 
-def test_the_frozen_count_is_read_only_every_check_interval() -> None:
-    """gc.get_freeze_count walks every frozen object: between checks a tick only freezes."""
+def test_memory_is_read_only_every_check_interval() -> None:
+    """Between checks a tick only freezes."""
     p = FakeProcess(alive=1_000)
     counted = 0
 
-    def frozen() -> int:
+    def size() -> int:
         nonlocal counted
         counted += 1
-        return p.frozen
+        return p.alive
 
     policy = GcPolicy(
-        check_s=30.0, limits=L, collector=Collector(p.freeze, p.unfreeze, p.collect, frozen),
+        check_s=30.0, limits=L, collector=Collector(p.freeze, p.unfreeze, p.collect, size),
         connections=lambda: (0, p.closed), clock=lambda: p.now,
     )  # fmt: skip
     policy.start()
@@ -174,7 +183,8 @@ def test_defaults_drive_the_gc_module_and_the_listeners_totals() -> None:
     from attestmesh import listen
 
     c = Collector()
-    assert (c.freeze, c.unfreeze, c.collect, c.frozen) == (
-        gc.freeze, gc.unfreeze, gc.collect, gc.get_freeze_count,
+    assert (c.freeze, c.unfreeze, c.collect, c.size) == (
+        gc.freeze, gc.unfreeze, gc.collect, resident_bytes,
     )  # fmt: skip
+    assert resident_bytes() > 1 << 20  # this test process, read from /proc
     assert GcPolicy()._connections is listen.connection_totals
