@@ -466,6 +466,8 @@ async def test_invalid_policy_resource_is_refused_and_the_previous_stays(
         assert cond["reason"] == "Invalid"
         assert "quantum" in cond["message"] and "forever" in cond["message"]
         assert "previous valid version stays in force" in cond["message"]
+        # the Event is written after the condition: wait for it, then it is the only one
+        await eventually(lambda: bool(events(kube, "Invalid")))
         (event,) = events(kube, "Invalid")
         assert event["involvedObject"]["kind"] == "AttestationPolicy"
         assert [p.name for p in plane.mode.policies] == ["shop/web"]
