@@ -659,6 +659,7 @@ def nitro_parent_container(
         NITRO_ENCLAVE_CPUS: str(cfg.nitro_enclave_cpus),
         HUGEPAGES_1GI: f"{cfg.nitro_hugepages_gi}Gi",
     }
+
     def ready() -> dict[str, Any]:
         return {"httpGet": {"path": "/readyz", "port": NITRO_READY_PORT}}
 
