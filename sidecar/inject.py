@@ -87,8 +87,13 @@ The attested control plane: the pod's ``attestmesh.dev/control-plane-policy`` (e
 own (``--control-plane-policy``, mounted read-only, not optional); not for nitro pods yet
 (refused).
 
-Opt-out: pod annotation ``attestmesh.dev/inject: "false"`` or pod label
-``attestmesh.dev/inject: disabled`` (the label is what the webhook's objectSelector can see).
+Opt-in: namespace label ``attestmesh.dev/inject: enabled`` or pod label
+``attestmesh.dev/inject: enabled``, what the two webhooks' namespaceSelector/objectSelector
+see on every API server version, so pods that did not opt in never wait on the control plane.
+The annotation ``attestmesh.dev/inject: "true"`` is not an opt-in (no selector can see it;
+``attestmesh lint`` flags it). Opt-out: pod annotation ``attestmesh.dev/inject: "false"`` or
+pod label ``attestmesh.dev/inject: disabled``; a namespace labelled ``disabled`` opts all its
+pods out (the pod label cannot opt in there).
 
 Decisions (``MutationResult``): opted out, not opted in, already injected, or the control-plane
 namespace -> allowed with an empty patch. A pod the injector cannot make correct (host network,
@@ -943,7 +948,8 @@ def mutate(
     opt = str(annotations.get(ANNOTATION_INJECT, "")).lower()
     if opt == "false" or pod_labels.get(LABEL_INJECT) == "disabled":
         return MutationResult(Decision.OPTED_OUT, message=f"{ANNOTATION_INJECT}=false")
-    if opt != "true" and ns_labels.get(LABEL_INJECT) != "enabled":
+    ns_opt = ns_labels.get(LABEL_INJECT)
+    if ns_opt == "disabled" or (ns_opt != "enabled" and pod_labels.get(LABEL_INJECT) != "enabled"):
         return MutationResult(Decision.NOT_SELECTED, message="namespace and pod not opted in")
     containers = _names(spec.get("containers")) | _names(spec.get("initContainers"))
     ours = set(CONTAINER_NAMES)

@@ -133,7 +133,7 @@ async def test_opt_out_control_plane_and_denial(webhook: Webhook) -> None:
     assert status == 200 and body["response"] == {"uid": "u1", "allowed": True}
     cp = pod("cp")
     cp["metadata"]["namespace"] = "attestmesh-system"
-    cp["metadata"]["annotations"]["attestmesh.dev/inject"] = "true"
+    cp["metadata"].setdefault("labels", {})["attestmesh.dev/inject"] = "enabled"
     status, body = await webhook.post(review(cp, "u2"))
     assert body["response"] == {"uid": "u2", "allowed": True}
     host = pod("h")

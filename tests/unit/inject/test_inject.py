@@ -20,6 +20,7 @@ from sidecar.inject import (
     ANNOTATION_TEE,
     BOOTSTRAP_CONTAINER,
     ENVOY_CONTAINER,
+    LABEL_INJECT,
     NITRO_PARENT_CONTAINER,
     AdmissionError,
     Decision,
@@ -288,10 +289,29 @@ def test_sgx_epc_and_affinity() -> None:
     assert "runtimeClassName" not in out["spec"]
 
 
-def test_pod_annotation_opts_in_without_namespace_label() -> None:
+def test_pod_label_opts_in_without_namespace_label() -> None:
+    p = pod()
+    p["metadata"]["labels"][LABEL_INJECT] = "enabled"
+    injected(p, {})
+
+
+def test_pod_annotation_true_is_no_opt_in() -> None:
+    # the webhook's selectors cannot see annotations: the server never sends such a pod, and
+    # mutate agrees (attestmesh lint tells users migrating from the annotation)
     p = pod()
     p["metadata"]["annotations"][ANNOTATION_INJECT] = "true"
-    injected(p, {})
+    result = mutate(p, {}, CFG)
+    assert result.decision is Decision.NOT_SELECTED and result.allowed and result.patch == ()
+    p["metadata"]["labels"][LABEL_INJECT] = "enabled"
+    assert mutate(p, {}, CFG).decision is Decision.INJECTED
+
+
+def test_namespace_label_disabled_overrides_the_pod_label() -> None:
+    p = pod()
+    p["metadata"]["labels"][LABEL_INJECT] = "enabled"
+    result = mutate(p, {LABEL_INJECT: "disabled"}, CFG)
+    assert result.decision is Decision.NOT_SELECTED and result.patch == ()
+    assert mutate(p, {LABEL_INJECT: "other"}, CFG).decision is Decision.INJECTED
 
 
 def test_not_selected_and_opt_out_give_empty_patches() -> None:
@@ -312,7 +332,7 @@ def test_opt_out_by_pod_label() -> None:
 
 def test_control_plane_namespace_is_never_injected() -> None:
     p = pod(ns="attestmesh-system")
-    p["metadata"]["annotations"][ANNOTATION_INJECT] = "true"
+    p["metadata"]["labels"][LABEL_INJECT] = "enabled"
     result = mutate(p, ENABLED, CFG)
     assert result.decision is Decision.CONTROL_PLANE
     assert result.allowed and result.patch == ()

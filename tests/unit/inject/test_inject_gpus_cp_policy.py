@@ -55,8 +55,8 @@ def _pod(
         "metadata": {
             "name": "trainer-0",
             "namespace": NS,
-            "annotations": {"attestmesh.dev/inject": "true", "attestmesh.dev/tee": tee,
-                            **annotations},
+            "labels": {"attestmesh.dev/inject": "enabled"},
+            "annotations": {"attestmesh.dev/tee": tee, **annotations},
         },
         "spec": {"serviceAccountName": "trainer", "containers": app},
     }  # fmt: skip

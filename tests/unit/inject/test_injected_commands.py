@@ -68,7 +68,8 @@ def injected_pod(tee: str, cfg: InjectConfig = CFG) -> dict[str, Any]:
         "metadata": {
             "name": NAME,
             "namespace": NS,
-            "annotations": {"attestmesh.dev/inject": "true", "attestmesh.dev/tee": tee},
+            "labels": {"attestmesh.dev/inject": "enabled"},
+            "annotations": {"attestmesh.dev/tee": tee},
         },
         "spec": {
             "serviceAccountName": "web",
