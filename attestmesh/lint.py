@@ -31,6 +31,12 @@ How the facts are found:
   whose nodeSelector does not exclude it; Deployments/StatefulSets/ReplicaSets count
   ``replicas`` times (default 1), DaemonSets once. Node affinity is not evaluated, and the
   injected sidecar's requests are not added (lint the injected pods to include them).
+
+One attestmesh check beside the guide's: a pod (template) opting in to sidecar injection only
+by the annotation ``attestmesh.dev/inject: "true"`` (``InjectOptInByAnnotation``). That
+annotation is no opt-in any more: the webhook is selected by labels (an annotation would need
+every pod creation in the cluster to call it), so such a pod runs without a sidecar unless its
+namespace is labelled; the fix is the pod label ``attestmesh.dev/inject: enabled``.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ LABEL_INSTANCE_CPU = "karpenter.k8s.aws/instance-cpu"
 LABEL_INSTANCE_MEMORY = "karpenter.k8s.aws/instance-memory"
 ANNOTATION_ALLOCATOR = "attestmesh.dev/enclave-allocator"
 ANNOTATION_ALLOCATABLE_CPU = "attestmesh.dev/node-allocatable-cpu"
+INJECT_KEY = "attestmesh.dev/inject"  # pod label enabled|disabled; annotation "false" opts out
 _WELL_KNOWN_PREFIXES = (
     "karpenter.k8s.aws/",
     "karpenter.sh/",
@@ -94,6 +101,7 @@ class Code(enum.StrEnum):
     NITRO_ENCLAVES_DISABLED = "NitroEnclavesDisabled"
     ENCLAVE_POOL_CPU_OVERCOMMIT = "EnclavePoolCpuOvercommit"
     ORDINARY_WORKLOAD_ON_ENCLAVE_POOL = "OrdinaryWorkloadOnEnclavePool"
+    INJECT_OPT_IN_BY_ANNOTATION = "InjectOptInByAnnotation"
 
 
 SEVERITY: Mapping[Code, Severity] = {c: Severity.ERROR for c in Code} | {
@@ -287,6 +295,16 @@ def _container_requests(container: Any) -> dict[str, Decimal]:
 
 
 _REPLICATED = {"Deployment", "StatefulSet", "ReplicaSet", "ReplicationController"}
+
+
+def pod_metadata(o: SourcedObject) -> Mapping[str, Any]:
+    """The metadata of a Pod, or of the pod template of a workload object."""
+    kind, obj = o.kind, o.obj
+    if kind == "Pod":
+        return _map(obj.get("metadata"))
+    if kind == "CronJob":
+        return _map(_get(obj, "spec", "jobTemplate", "spec", "template", "metadata"))
+    return _map(_get(obj, "spec", "template", "metadata"))
 
 
 def pod_templates(objects: Iterable[SourcedObject]) -> Iterator[PodTemplate]:
@@ -715,6 +733,22 @@ def _check_workloads(
                 )
 
 
+def _check_inject_opt_in(objects: Sequence[SourcedObject], report: _Report) -> None:
+    for pod in pod_templates(objects):
+        meta = pod_metadata(pod.owner)
+        annotation = _map(meta.get("annotations")).get(INJECT_KEY)
+        label = _map(meta.get("labels")).get(INJECT_KEY)
+        if str(annotation).lower() == "true" and label != "enabled":
+            report.add(
+                Code.INJECT_OPT_IN_BY_ANNOTATION,
+                pod.owner,
+                f'opts in to sidecar injection only by the annotation {INJECT_KEY}: "true", '
+                "which the injection webhook no longer selects: unless its namespace is "
+                "labelled, the pod runs without a sidecar (unattested, outside the mesh)",
+                f"label the pod (template) {INJECT_KEY}: enabled and drop the annotation",
+            )
+
+
 def _check_enclave_workload(pod: PodTemplate, pools: Sequence[Pool], report: _Report) -> None:
     for c in pod.containers():
         res = _map(c.get("resources"))
@@ -866,6 +900,7 @@ def lint(objects: Sequence[SourcedObject]) -> list[Finding]:
     _check_overlays(objects, pools, report)
     _check_device_plugins(objects, pools, report)
     _check_workloads(objects, pools, report)
+    _check_inject_opt_in(objects, report)
     return sorted(report.findings, key=lambda f: (f.source, f.code, f.object, f.message))
 
 

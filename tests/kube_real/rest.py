@@ -51,6 +51,26 @@ class Rest:
         data = resp.data
         return json.loads(data) if data else None
 
+    def exact_status_of(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """(the server's exact HTTP status, e.g. 201 for a create, decoded body)."""
+        method_, url, headers, body_, post = self.api.param_serialize(
+            method,
+            path,
+            header_params={"Content-Type": "application/json", "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self.api.call_api(method_, url, headers, body_, post, _request_timeout=30)
+            resp.read()  # type: ignore[no-untyped-call]
+            status, data = int(resp.status), resp.data
+        except ApiException as exc:
+            status, data = int(exc.status), exc.body
+        try:
+            return status, json.loads(data) if data else None
+        except (TypeError, ValueError):
+            return status, data
+
     def status_of(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
         """(HTTP status, decoded body) without raising on an error status."""
         try:

@@ -170,7 +170,7 @@ async def test_policies_pods_token_review_and_quarantine_through_the_server(
     await asyncio.to_thread(admin.apply, node)
     async with control_plane(env, tmp_path / "state") as plane:
         cp = plane.running.cp
-        # failurePolicy Fail: pods are created once the webhook serves
+        # pre-injected fixtures in a namespace that did not opt in: the webhook is not called
         web0 = injected_fixture_pod("web-0", "10.1.0.5")
         web0["spec"]["nodeName"] = "tee-node-1"
         stored = await running_pod(admin, web0, "10.1.0.5")

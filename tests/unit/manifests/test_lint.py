@@ -146,6 +146,34 @@ def test_broken_variant_yields_exactly_its_finding(fixture: Path) -> None:
     assert finding.fix and finding.message and finding.object and finding.source
 
 
+def _annotated(kind: str, labels: dict[str, str], annotations: dict[str, str]) -> SourcedObject:
+    meta = {"labels": labels, "annotations": annotations}
+    spec = {"containers": [{"name": "app", "image": "app:1"}]}
+    obj: dict[str, Any]
+    if kind == "Pod":
+        obj = {"metadata": {"name": "x", "namespace": "a", **meta}, "spec": spec}
+    elif kind == "CronJob":
+        template = {"metadata": meta, "spec": spec}
+        obj = {"metadata": {"name": "x"}, "spec": {"jobTemplate": {"spec": {"template": template}}}}
+    else:
+        obj = {"metadata": {"name": "x"}, "spec": {"template": {"metadata": meta, "spec": spec}}}
+    return SourcedObject("t.yaml", 0, {"kind": kind, **obj})
+
+
+@pytest.mark.parametrize("kind", ["Pod", "Deployment", "StatefulSet", "Job", "CronJob"])
+def test_inject_opt_in_by_annotation_only_is_flagged_in_every_pod_template(kind: str) -> None:
+    findings = lint([_annotated(kind, {}, {"attestmesh.dev/inject": "True"})])
+    assert [f.code for f in findings] == [Code.INJECT_OPT_IN_BY_ANNOTATION]
+    assert "attestmesh.dev/inject: enabled" in findings[0].fix
+    # the label opts in (the annotation beside it is harmless), "false" is the opt-out
+    for labels, ann in (
+        ({"attestmesh.dev/inject": "enabled"}, {"attestmesh.dev/inject": "true"}),
+        ({}, {"attestmesh.dev/inject": "false"}),
+        ({"attestmesh.dev/inject": "enabled"}, {}),
+    ):
+        assert lint([_annotated(kind, labels, ann)]) == []
+
+
 def test_finding_names_the_object_and_its_file() -> None:
     objs, _ = with_fixture(FIXTURES / "workload-no-toleration.yaml")
     (f,) = lint(objs)
