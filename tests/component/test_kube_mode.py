@@ -1,8 +1,8 @@
 """``attestmesh controlplane --kubernetes`` end to end, in process, against the fake API server
 with the real ``kubernetes`` client: pods become registrations, agents attest with their
 service-account token, quarantine becomes pod label + condition + Event, invalid policy
-resources are refused, and a restart re-applies idempotently. (Quarantine-and-evict and audit
-mode run against a real API server: tests/kube_real/test_kube_mode_actions.py.)"""
+resources are refused, and a restart re-applies idempotently. (Quarantine-and-evict, audit mode
+and the node watch run against a real API server: tests/kube_real/test_kube_mode_actions.py.)"""
 
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ from xds.kube import (
     CONDITION_ACCEPTED,
     CONDITION_ATTESTED,
     LABEL_QUARANTINED,
-    TAINT_PLATFORM_UNTRUSTED,
     KubeClient,
 )
 from xds.resources import TypeUrl
@@ -709,47 +708,6 @@ async def test_service_and_endpoint_slices_shape_the_callers_endpoints(
         reg = plane.running.cp.state.get(LEDGER).registration
         assert (reg.service, reg.ready) == ("billing", False)
         assert endpoints(snapshot_of(plane, WORKLOAD), "out|billing") == []
-
-
-async def test_nodes_are_watched_and_untrusted_ones_counted(
-    kube: FakeKube, tmp_path: Path, sim_key: Path
-) -> None:
-    await seed(kube, policy_cr("web"))
-    tainted = {"key": TAINT_PLATFORM_UNTRUSTED, "value": "true", "effect": "NoSchedule"}
-    await kube.put_object("nodes", {"metadata": {"name": "n2"}, "spec": {"taints": [tainted]}})
-    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
-        source, cp = plane.mode.source, plane.running.cp
-        gauge = plane.mode.kube_metrics.untrusted_nodes._value
-        assert set(source.nodes) == {"n1", "n2"} and gauge.get() == 1
-        probe = f"http://127.0.0.1:{plane.mode.settings.probe_port}/metrics"
-        async with aiohttp.ClientSession() as session, session.get(probe) as resp:
-            assert "attestmesh_kube_untrusted_nodes 1.0" in await resp.text()
-
-        # a platform failure taints the pod's node; the watch sees it
-        assert cp.quarantine(
-            WORKLOAD, Trigger.TCB_REVOKED, "tcb_status_not_accepted: SNP TCB revoked",
-            code="tcb_status_not_accepted", platform=True,
-        )  # fmt: skip
-        await plane.mode.drained()
-        await eventually(lambda: source.nodes["n1"].platform_untrusted)
-        assert gauge.get() == 2
-        # re-applying reads no node the watch already knows as tainted
-        node_reads = len([r for r in kube.requests if r[1].startswith("/api/v1/nodes/n1")])
-        plane.mode.submit(Work(WorkKind.REAPPLY))
-        await plane.mode.drained()
-        assert plane.mode.completed[-1].kind is WorkKind.REAPPLY
-        assert len([r for r in kube.requests if r[1].startswith("/api/v1/nodes/n1")]) == node_reads
-
-        # nodes deleted: forgotten, nothing else changes
-        await kube.delete_object("nodes", "", "n2")
-        await kube.delete_object("nodes", "", "n1")
-        await eventually(lambda: source.nodes == {})
-        assert gauge.get() == 0
-        assert cp.status_of(WORKLOAD) is Status.QUARANTINED
-        assert plane.running.cp.release(WORKLOAD)
-        async with aiohttp.ClientSession() as session:
-            await plane.agent().attest_once(session)
-        assert cp.status_of(WORKLOAD) is Status.ATTESTED
 
 
 def test_build_work_is_pure_and_only_for_pods() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from attestmesh.kube_mode import Work, WorkKind
 from sidecar.agent import AgentError
 from tests.kube_real.cluster import Cluster
 from tests.kube_real.install import Installed
@@ -32,9 +33,9 @@ from tests.kube_real.plane import (
     running_pod,
     service_account_doc,
 )
-from tests.kube_real.rest import Rest, until
-from xds.kube import CONDITION_ATTESTED, LABEL_QUARANTINED
-from xds.state import Status
+from tests.kube_real.rest import Rest, until, wait_for
+from xds.kube import CONDITION_ATTESTED, LABEL_QUARANTINED, TAINT_PLATFORM_UNTRUSTED
+from xds.state import Status, Trigger
 
 pytestmark = pytest.mark.integration
 
@@ -120,3 +121,84 @@ async def test_audit_mode_records_an_event_and_quarantines_nothing(
         conds = [c for c in pod["status"].get("conditions", []) if c["type"] == CONDITION_ATTESTED]
         assert all(c["status"] != "False" for c in conds), conds
         assert await asyncio.to_thread(events, admin, ns, "Quarantined") == []
+
+
+SA_USER = "system:serviceaccount:attestmesh-system:attestmesh-controlplane"
+
+
+def node_reads(env: Env, name: str) -> int:
+    """GETs of node ``name`` the control plane made, per the server's audit log; first a
+    sentinel request as the control plane, whose entry shows the log has caught up."""
+    sentinel = f"sentinel-{len(env.cluster.audit_events(SA_USER))}"
+    rest = Rest(env.kubeconfig)
+    try:
+        rest.status_of("GET", f"/api/v1/namespaces/{sentinel}")
+    finally:
+        rest.close()
+
+    def caught_up() -> list[dict[str, Any]] | None:
+        found = env.cluster.audit_events(SA_USER)
+        return found if any(sentinel in e["requestURI"] for e in found) else None
+
+    events = wait_for(caught_up, what="audit log caught up")
+    return sum(
+        1
+        for e in events
+        if e["verb"] == "get" and e["requestURI"].split("?")[0] == f"/api/v1/nodes/{name}"
+    )
+
+
+async def test_nodes_are_watched_and_untrusted_ones_counted(env: Env, tmp_path: Path) -> None:
+    admin, ns = env.admin, "act-nodes"
+    await asyncio.to_thread(own_namespace, admin, ns)
+    await asyncio.to_thread(admin.apply, policy("web", ns))
+    n1, n2 = "act-n1", "act-n2"
+    tainted = {"key": TAINT_PLATFORM_UNTRUSTED, "value": "true", "effect": "NoSchedule"}
+    for name, spec in ((n1, {}), (n2, {"taints": [tainted]})):
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "spec": spec}
+        await asyncio.to_thread(admin.apply, node)
+    async with control_plane(env, tmp_path / "state") as plane:
+        source, cp = plane.mode.source, plane.running.cp
+        gauge = plane.mode.kube_metrics.untrusted_nodes._value
+        # the session's cluster holds other tests' nodes: count relative to them
+        others = sum(n.platform_untrusted for k, n in source.nodes.items() if k not in (n1, n2))
+        assert {n1, n2} <= set(source.nodes) and gauge.get() == others + 1
+        probe = f"http://127.0.0.1:{plane.mode.settings.probe_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(probe) as resp:
+            assert f"attestmesh_kube_untrusted_nodes {others + 1.0}" in await resp.text()
+
+        stored = await running_pod(
+            admin, injected_fixture_pod("web-0", ns=ns, nodeName=n1), "10.2.0.7"
+        )
+        workload = f"{ns}/web-0"
+        await until(lambda: cp.state.workloads.get(workload), what="web-0 registered")
+        token = await asyncio.to_thread(pod_token, admin, stored)
+        async with aiohttp.ClientSession() as session:
+            await plane.agent(workload, token).attest_once(session)
+        # a platform failure taints the pod's node through the server; the watch sees it
+        assert cp.quarantine(
+            workload, Trigger.TCB_REVOKED, "tcb_status_not_accepted: SNP TCB revoked",
+            code="tcb_status_not_accepted", platform=True,
+        )  # fmt: skip
+        await plane.mode.drained()
+        await until(lambda: source.nodes[n1].platform_untrusted or None, what="n1 tainted")
+        assert gauge.get() == others + 2
+        stored_n1 = await asyncio.to_thread(admin.get, "v1", "Node", None, n1)
+        assert tainted in stored_n1["spec"]["taints"]
+        # re-applying reads no node the watch already knows as tainted
+        before = await asyncio.to_thread(node_reads, env, n1)
+        plane.mode.submit(Work(WorkKind.REAPPLY))
+        await plane.mode.drained()
+        assert plane.mode.completed[-1].kind is WorkKind.REAPPLY
+        assert await asyncio.to_thread(node_reads, env, n1) == before
+
+        # nodes deleted: forgotten, nothing else changes
+        for name in (n2, n1):
+            await asyncio.to_thread(admin.delete, "v1", "Node", None, name)
+        await until(lambda: not ({n1, n2} & set(source.nodes)) or None, what="nodes forgotten")
+        assert gauge.get() == others
+        assert cp.status_of(workload) is Status.QUARANTINED
+        assert cp.release(workload)
+        async with aiohttp.ClientSession() as session:
+            await plane.agent(workload, token).attest_once(session)
+        assert cp.status_of(workload) is Status.ATTESTED
