@@ -5,10 +5,13 @@ among the lean streams of the rest of the mesh. Caller Envoys carry real request
 after a quarantine, the time until each caller's Envoy refuses is measured from outside, by the
 requests themselves.
 
-Refusal is read per caller as the first response that is not the victim's answer, in a run of
-such responses lasting to the end of the watch (a success after it discards it): the time it
-arrived, an upper bound of the moment the Envoy changed (the request before it was still
-answered by the victim, at most one request interval plus a round trip earlier).
+The victim's service may have other members (``rotation`` of them in all, the victim included):
+a caller's Envoy takes them in turn (round robin, one worker), so the victim answers one request
+in ``rotation`` until the quarantine. Refusal is read per caller from the final run of answers
+that are not the victim's (a victim's answer after it discards it): once ``rotation`` of them
+arrived in a row, the victim was out of the rotation -- the arrival of the ``rotation``-th is an
+upper bound of the moment the Envoy changed, the send time of the victim's last answer a lower
+bound (with one member, the first refused answer's arrival).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Prober:
     port: int
     victim_body: str
     interval_s: float
+    rotation: int = 1  # members of the victim's service the caller's Envoy takes in turn
     samples: list[Sample] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
@@ -92,20 +96,21 @@ class Prober:
             await asyncio.sleep(self.interval_s)
 
     def last_ok(self) -> bool:
-        return bool(self.samples) and self.samples[-1].answered_by_victim
+        """The victim answered one of the last ``rotation`` requests (it is in the rotation)."""
+        return any(s.answered_by_victim for s in self.samples[-self.rotation :])
 
     def refused_at(self, since: float) -> float | None:
-        """Arrival time of the first response after ``since`` that begins a run of refusals
-        lasting to the last sample; None while the victim still answers."""
-        at = None
+        """Arrival of the ``rotation``-th answer in the run of non-victim answers after
+        ``since`` that lasts to the last sample; None while the victim may still answer."""
+        run: list[float] = []
         for s in self.samples:
             if s.t1 < since:
                 continue
             if s.answered_by_victim:
-                at = None
-            elif at is None:
-                at = s.t1
-        return at
+                run = []
+            else:
+                run.append(s.t1)
+        return run[self.rotation - 1] if len(run) >= self.rotation else None
 
     def last_answered_before(self, t: float) -> float | None:
         """Send time of the last request the victim answered that arrived before ``t``: the
@@ -115,15 +120,18 @@ class Prober:
         return max(sent) if sent else None
 
     def flaps(self, since: float) -> int:
-        """Successes after a refusal (after ``since``): 0 when the change was clean."""
-        seen_refusal, n = False, 0
+        """Victim answers after a refusal (``rotation`` non-victim answers in a row) since
+        ``since``: 0 when the change was clean."""
+        run, refused, n = 0, False, 0
         for s in self.samples:
             if s.t1 < since:
                 continue
             if not s.answered_by_victim:
-                seen_refusal = True
-            elif seen_refusal:
-                n += 1
+                run += 1
+                refused = refused or run >= self.rotation
+            else:
+                run = 0
+                n += refused
         return n
 
 
@@ -147,6 +155,7 @@ class EnvoyMesh:
         victim: str,
         workdir: Path,
         interval_s: float,
+        rotation: int = 1,
     ) -> None:
         self.specs = list(specs)
         self.victim = victim
@@ -155,7 +164,7 @@ class EnvoyMesh:
         self.agents: dict[str, Agent] = {}
         self.envoys: dict[str, EnvoyProcess] = {}
         self.probers = [
-            Prober(s.name, s.ports.outbound, f"hello from {victim}", interval_s)
+            Prober(s.name, s.ports.outbound, f"hello from {victim}", interval_s, rotation)
             for s in self.specs
             if s.caller
         ]
