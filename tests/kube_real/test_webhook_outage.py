@@ -83,22 +83,22 @@ async def test_an_outage_refuses_only_opted_in_pods_and_up_it_mutates(
     admin = env.admin
     # the webhook endpoint is down: make_env pointed it at a free port nobody listens on
     for doc in (
-        app_pod("plain", STORE),
-        app_pod("sys", "kube-system"),
+        app_pod("outage-plain", STORE),
+        app_pod("outage-sys", "kube-system"),
         # annotation only: no longer an opt-in (lint flags it), the server does not call
-        app_pod("annotated", STORE, annotations={LABEL: "true", **SIM}),
+        app_pod("outage-annotated", STORE, annotations={LABEL: "true", **SIM}),
         # the control-plane namespace, excluded by its label on every version
-        labelled("cp", "attestmesh-system"),
+        labelled("outage-cp", "attestmesh-system"),
         # an opted-in namespace, the pod opted out by label
-        labelled("out", SHOP, "disabled"),
+        labelled("outage-out", SHOP, "disabled"),
     ):
         status, body = await create(admin, doc)
         assert status == 201, (doc["metadata"], body)
         assert "initContainers" not in body["spec"], body
 
     for doc, webhook in (
-        (labelled("opted-pod", STORE), "inject-pod.attestmesh.dev"),
-        (app_pod("opted-ns", SHOP, annotations=dict(SIM)), "inject.attestmesh.dev"),
+        (labelled("outage-opted-pod", STORE), "inject-pod.attestmesh.dev"),
+        (app_pod("outage-opted-ns", SHOP, annotations=dict(SIM)), "inject.attestmesh.dev"),
     ):
         status, body = await create(admin, doc)
         assert status == 500, body
@@ -108,7 +108,7 @@ async def test_an_outage_refuses_only_opted_in_pods_and_up_it_mutates(
         assert await asyncio.to_thread(admin.get_or_none, "v1", "Pod", ns, name) is None
 
     async with control_plane(env, tmp_path / "state"):
-        status, body = await create(admin, labelled("opted-up", STORE))
+        status, body = await create(admin, labelled("outage-opted-up", STORE))
         # the webhook's patch reached the server: 1.20 validates the injected native sidecars
         # as run-to-completion init containers and refuses their probes (see
         # test_controlplane), which names containers only the webhook adds
@@ -120,5 +120,5 @@ async def test_an_outage_refuses_only_opted_in_pods_and_up_it_mutates(
             "spec.initContainers[2].startupProbe",
         ], body
         # a plain pod is still not sent to it
-        status, body = await create(admin, app_pod("plain-up", STORE))
+        status, body = await create(admin, app_pod("outage-plain-up", STORE))
         assert status == 201 and "initContainers" not in body["spec"], body
