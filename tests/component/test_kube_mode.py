@@ -1,8 +1,9 @@
 """``attestmesh controlplane --kubernetes`` end to end, in process, against the fake API server
 with the real ``kubernetes`` client: pods become registrations, agents attest with their
 service-account token, quarantine becomes pod label + condition + Event, invalid policy
-resources are refused, and a restart re-applies idempotently. (Quarantine-and-evict, audit mode
-and the node watch run against a real API server: tests/kube_real/test_kube_mode_actions.py.)"""
+resources are refused, and a restart re-applies idempotently. (Quarantine-and-evict, audit
+mode, the node watch and leader-only actions run against a real API server:
+tests/kube_real/test_kube_mode_actions.py.)"""
 
 from __future__ import annotations
 
@@ -458,30 +459,6 @@ async def test_invalid_policy_resource_is_refused_and_the_previous_stays(
         async with aiohttp.ClientSession() as session:
             cert = await plane.agent().attest_once(session)  # still admitted by the old policy
         assert cert.spiffe_id.endswith("/ns/shop/sa/web")
-
-
-async def test_only_the_leader_acts_every_replica_attests(
-    kube: FakeKube, tmp_path: Path, sim_key: Path
-) -> None:
-    await seed(kube, policy_cr("web"))
-    async with (
-        control_plane(kube, tmp_path / "a", sim_key, "cp-a") as leader,
-        control_plane(kube, tmp_path / "b", sim_key, "cp-b") as follower,
-    ):
-        assert leader.mode.elector.is_leader and not follower.mode.elector.is_leader
-        async with aiohttp.ClientSession() as session:
-            source = SimEvidenceSource(PLATFORM, GOOD)
-            agent = follower.agent(source=source)
-            await agent.attest_once(session)  # the follower serves attestation
-            source.measurement = BAD
-            with pytest.raises(AgentError):
-                await agent.attest_once(session)
-        assert follower.running.cp.status_of(WORKLOAD) is Status.QUARANTINED
-        await follower.mode.drained()
-        assert [w.kind for w in follower.mode.completed] == [WorkKind.QUARANTINE]
-        obj = pod(kube)
-        assert LABEL_QUARANTINED not in obj["metadata"]["labels"]  # a follower writes nothing
-        assert events(kube, "Quarantined") == []
 
 
 def trust_cm(kube: FakeKube, namespace: str) -> dict[str, Any] | None:

@@ -141,7 +141,10 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def control_plane(env: Env, state_dir: Path, identity: str = "cp-0") -> AsyncIterator[Plane]:
+async def control_plane(
+    env: Env, state_dir: Path, identity: str = "cp-0", *, lead: bool = True
+) -> AsyncIterator[Plane]:
+    """``lead``: wait until this replica holds the Lease (else: only until it has synced)."""
     settings = ControlPlaneSettings(
         state_dir=state_dir,
         sim_platform_keys=(env.sim_key,),
@@ -185,8 +188,9 @@ async def control_plane(env: Env, state_dir: Path, identity: str = "cp-0") -> As
 
         # the tests expect this replica to act: the Lease may still be held by a replica
         # killed without handing it over (until it expires)
-        await until(lambda: mode.elector.is_leader or None, timeout=40, what="leadership")
-        await until(bundled, what="caBundle written")
+        if lead:
+            await until(lambda: mode.elector.is_leader or None, timeout=40, what="leadership")
+            await until(bundled, what="caBundle written")
         yield Plane(running, mode, settings)
     finally:
         stop.set()

@@ -10,6 +10,7 @@ and nothing else. Each test has a namespace of its own (the cluster is shared by
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 from attestmesh.kube_mode import Work, WorkKind
 from sidecar.agent import AgentError
-from tests.kube_real.cluster import Cluster
+from tests.kube_real.cluster import Cluster, free_port
 from tests.kube_real.install import Installed
 from tests.kube_real.plane import (
     BAD,
@@ -202,3 +203,38 @@ async def test_nodes_are_watched_and_untrusted_ones_counted(env: Env, tmp_path: 
         async with aiohttp.ClientSession() as session:
             await plane.agent(workload, token).attest_once(session)
         assert cp.status_of(workload) is Status.ATTESTED
+
+
+async def test_only_the_leader_acts_every_replica_attests(env: Env, tmp_path: Path) -> None:
+    admin, ns = env.admin, "act-follow"
+    await asyncio.to_thread(own_namespace, admin, ns)
+    await asyncio.to_thread(admin.apply, policy("web", ns))
+    async with (
+        control_plane(env, tmp_path / "a", "cp-a") as leader,
+        # its own webhook port (the configuration points at the leader's)
+        control_plane(
+            replace(env, webhook_port=free_port()), tmp_path / "b", "cp-b", lead=False
+        ) as follower,
+    ):
+        # one real Lease: the second replica synced and does not hold it
+        assert leader.mode.elector.is_leader and not follower.mode.elector.is_leader
+        cp = follower.running.cp
+        stored = await running_pod(admin, injected_fixture_pod("web-0", ns=ns), "10.2.0.8")
+        workload = f"{ns}/web-0"
+        await until(lambda: cp.state.workloads.get(workload), what="web-0 registered")
+        token = await asyncio.to_thread(pod_token, admin, stored)
+        async with aiohttp.ClientSession() as session:
+            await follower.agent(workload, token).attest_once(session)  # the follower attests
+            with pytest.raises(AgentError) as exc:
+                await follower.agent(workload, token, BAD).attest_once(session)
+            assert exc.value.status == 403
+        assert cp.status_of(workload) is Status.QUARANTINED
+        await follower.mode.drained()
+        assert [w.kind for w in follower.mode.completed] == [WorkKind.QUARANTINE]
+        # a follower writes nothing (its quarantine work ran and made no request)
+        pod = await asyncio.to_thread(admin.get, "v1", "Pod", ns, "web-0")
+        assert LABEL_QUARANTINED not in pod["metadata"]["labels"]
+        conds = [c for c in pod["status"].get("conditions", []) if c["type"] == CONDITION_ATTESTED]
+        assert conds == []
+        assert await asyncio.to_thread(events, admin, ns, "Quarantined") == []
+        assert not follower.mode.elector.is_leader
