@@ -50,6 +50,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shlex
 import socket
 import statistics
@@ -181,10 +182,36 @@ def write_config(
     return files
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_taken: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range. Ports are chosen long before
+    they are bound (Envoys and apps start after the mesh is attested), and meanwhile the
+    benchmark opens thousands of client connections whose local ports come from the ephemeral
+    range: a port from there (bind to 0) can be taken by one of them by then (EADDRINUSE)."""
+    rng = random.SystemRandom()
+    low = min(10000, max(1024, _EPHEMERAL_LOW - 4096))
+    for _ in range(1000):
+        port = rng.randrange(low, _EPHEMERAL_LOW)
+        if port in _taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _taken.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}..{_EPHEMERAL_LOW - 1}")
 
 
 def source_address(i: int, per_source: int = 200) -> str:
