@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import random
 import secrets
 import socket
 import ssl
@@ -44,10 +45,36 @@ TAMPERED = bytes.fromhex("66" * 48)
 NAMES = ("frontend", "backend")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port for a server started later, never one handed out before by this
+    process, and from below the kernel's ephemeral range: a port from bind(0) is an ephemeral
+    one, which any client connection opened before the server binds may take, and a second
+    bind(0) may return the same port again."""
+    rng = random.SystemRandom()
+    low = min(10000, max(1024, _EPHEMERAL_LOW - 4096))
+    for _ in range(1000):
+        port = rng.randrange(low, _EPHEMERAL_LOW)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {low}..{_EPHEMERAL_LOW - 1}")
 
 
 @dataclass

@@ -50,9 +50,7 @@ import hashlib
 import json
 import math
 import os
-import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,6 +67,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from attestmesh.demo import free_port
 from benchmarks.scale_ads import raise_nofile
 from benchmarks.scale_bao import start_bao
 from benchmarks.scale_envoy import EnvoyMesh, EnvoyPorts, EnvoySpec
@@ -180,38 +179,6 @@ def write_config(
     )
     files["sim_pub"] = sim_pub
     return files
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_EPHEMERAL_LOW = _ephemeral_low()
-_taken: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range. Ports are chosen long before
-    they are bound (Envoys and apps start after the mesh is attested), and meanwhile the
-    benchmark opens thousands of client connections whose local ports come from the ephemeral
-    range: a port from there (bind to 0) can be taken by one of them by then (EADDRINUSE)."""
-    rng = random.SystemRandom()
-    low = min(10000, max(1024, _EPHEMERAL_LOW - 4096))
-    for _ in range(1000):
-        port = rng.randrange(low, _EPHEMERAL_LOW)
-        if port in _taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _taken.add(port)
-        return port
-    raise RuntimeError(f"no free port in {low}..{_EPHEMERAL_LOW - 1}")
 
 
 def source_address(i: int, per_source: int = 200) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from attestmesh.demo import free_port as free_port  # re-exported for the tests
 from sidecar.envoy_proc import envoy_binary, envoy_command
 
 
@@ -37,13 +37,6 @@ async def serve_app(
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     await web.TCPSite(runner, "127.0.0.1", port).start()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass(slots=True)
