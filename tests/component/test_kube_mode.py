@@ -12,7 +12,6 @@ import base64
 import contextlib
 import json
 import re
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -29,6 +28,7 @@ from kubernetes import client
 
 from attestmesh.cli import _check_mode, build_parser
 from attestmesh.cli import main as cli_main
+from attestmesh.demo import free_port as free_port  # one port picker (see there)
 from attestmesh.kube_mode import KubeMode, KubeSettings, Work, WorkKind, build_work
 from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
@@ -70,12 +70,6 @@ GROUP = "attestmesh.dev"
 WEB_TOKEN = "tok-web"  # web-0's projected token (bound to the pod) the fake TokenReview knows
 WORKLOAD = "shop/web-0"
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def policy_cr(name: str, **spec: Any) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import datetime as dt
 import ipaddress
 import json
 import os
-import socket
 import ssl
 import subprocess
 import time
@@ -33,6 +32,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from attestmesh.demo import free_port as free_port  # one port picker (see there)
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "tools" / "kube-build"
@@ -67,12 +68,6 @@ def ensure_built() -> Path:
             f"(exit {proc.returncode}); run it by hand to see why:\n{proc.stdout}\n{proc.stderr}"
         )
     return bins
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- throwaway PKI ---------------------------------------------------------------------------

@@ -6,7 +6,6 @@ by address while TLS keeps verifying the name."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from attestmesh.demo import free_port as free_port  # one port picker (see there)
 from certs.api import build_app
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from tests.component.test_agent import RecordingSink, _server_tls
@@ -23,12 +23,6 @@ from tests.unit.fixtures_core import MEASUREMENT, Clock, registration
 from xds.state import Status, Trigger
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Served:
