@@ -161,7 +161,12 @@ async def test_what_one_replica_commits_reaches_the_other(pg_url: str, tmp_path:
         async with asyncio.timeout(10):
             while a.cp.status_of("web-1") is not Status.PENDING:
                 await asyncio.sleep(0.01)
-        assert a.publisher.last_state.workloads["web-1"].status is Status.PENDING
+        # A's state takes the change first; its announcement to Envoys follows (the publisher
+        # runs on the same loop, right after): wait for it too, then it is what A serves
+        async with asyncio.timeout(10):
+            while a.publisher.last_state.workloads["web-1"].status is not Status.PENDING:
+                await asyncio.sleep(0.01)
+        assert a.cp.status_of("web-1") is Status.PENDING
         again = await a.attest("web-1")
         await on_b(lambda: b_announced("web-1", Status.ATTESTED))
         assert b.cp.state.get("web-1").certificates[-1].serial == again.serial
