@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from xds.pmap import PMap
 from xds.state import (
     MeshState,
     Registration,
@@ -179,7 +180,10 @@ def affected_by(
 
 
 def changed_names(old: Mapping[str, WorkloadState], new: Mapping[str, WorkloadState]) -> set[str]:
-    """Names whose record differs (identity first, so unchanged records cost a pointer compare)."""
+    """Names whose record differs (identity first, so unchanged records cost a pointer compare;
+    between persistent maps, the buckets they share are skipped)."""
+    if isinstance(old, PMap):
+        return old.changed_keys(new)
     out = {n for n, w in new.items() if old.get(n) is not w}
     out |= {n for n in old if n not in new}
     return out

@@ -2,6 +2,9 @@
 
 Every transition returns a new immutable ``MeshState`` plus the ``Event``s it caused; the
 control plane persists the new state before it announces anything (xDS push, Kubernetes).
+A state's workloads are a persistent map (:class:`xds.pmap.PMap`): a transition shares every
+record it did not change with the state it came from, so it costs what it changed, not the
+size of the mesh, and a state once handed out never changes under its readers.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from certs.evidence.claims import Claims
 from certs.standing import QuarantinedError as QuarantinedError
 from certs.standing import Status as Status
 from certs.standing import UnknownWorkloadError as UnknownWorkloadError
+from xds.pmap import PMap
 
 
 class Trigger(enum.StrEnum):
@@ -171,9 +175,16 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class MeshState:
+    """``workloads`` may be given as any mapping; it is held as a :class:`PMap` (a copy of a
+    plain dict, once: transitions then share structure)."""
+
     trust_domain: str
-    workloads: Mapping[str, WorkloadState] = field(default_factory=dict)
+    workloads: Mapping[str, WorkloadState] = field(default_factory=PMap)
     revocations: tuple[Revocation, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workloads, PMap):
+            object.__setattr__(self, "workloads", PMap(self.workloads))
 
     def get(self, name: str) -> WorkloadState:
         try:
@@ -188,8 +199,13 @@ class MeshState:
         return frozenset(r.serial for r in self.revocations)
 
 
+def _records(state: MeshState) -> PMap[str, WorkloadState]:
+    w = state.workloads
+    return w if isinstance(w, PMap) else PMap(w)  # always a PMap (__post_init__)
+
+
 def _with(state: MeshState, w: WorkloadState) -> MeshState:
-    return replace(state, workloads={**state.workloads, w.registration.name: w})
+    return replace(state, workloads=_records(state).set(w.registration.name, w))
 
 
 def register_all(
@@ -197,11 +213,11 @@ def register_all(
 ) -> tuple[MeshState, list[Event], list[str]]:
     """Add or update many registrations in one step (one copy of the mesh, not one per
     registration); returns the new state, its events and the names that changed."""
-    workloads = dict(state.workloads)
+    workloads: dict[str, WorkloadState] = {}  # the records that change
     events: list[Event] = []
     changed: list[str] = []
     for reg in regs:
-        current = workloads.get(reg.name)
+        current = workloads.get(reg.name) or state.workloads.get(reg.name)
         if current is None:
             workloads[reg.name] = WorkloadState(reg)
             events.append(Event(EventKind.REGISTERED, reg.name, now))
@@ -212,7 +228,7 @@ def register_all(
         changed.append(reg.name)
     if not changed:
         return state, [], []
-    return replace(state, workloads=workloads), events, changed
+    return replace(state, workloads=_records(state).update(workloads)), events, changed
 
 
 def register(state: MeshState, reg: Registration, now: datetime) -> tuple[MeshState, list[Event]]:
@@ -332,10 +348,10 @@ def set_tcb_deferrals(
 ) -> tuple[MeshState, list[str]]:
     """Record (or, with None, drop) deferred TCB quarantines; a deferral is only recorded on
     an attested workload whose evidence it names. Returns the state and the rows changed."""
-    workloads = dict(state.workloads)
+    workloads: dict[str, WorkloadState] = {}  # the records that change
     changed: list[str] = []
     for name, d in deferrals.items():
-        w = workloads.get(name)
+        w = state.workloads.get(name)
         if w is None or w.tcb_deferral == d:
             continue
         if d is not None and (
@@ -346,7 +362,9 @@ def set_tcb_deferrals(
             continue
         workloads[name] = replace(w, tcb_deferral=d)
         changed.append(name)
-    return (replace(state, workloads=workloads) if changed else state), changed
+    return (
+        replace(state, workloads=_records(state).update(workloads)) if changed else state
+    ), changed
 
 
 def unregister(state: MeshState, name: str, now: datetime) -> tuple[MeshState, list[Event]]:
@@ -355,7 +373,7 @@ def unregister(state: MeshState, name: str, now: datetime) -> tuple[MeshState, l
     A quarantined workload's revocations stay in the CRL."""
     if name not in state.workloads:
         return state, []
-    workloads = {k: v for k, v in state.workloads.items() if k != name}
+    workloads = _records(state).delete(name)
     return replace(state, workloads=workloads), [Event(EventKind.UNREGISTERED, name, now)]
 
 
