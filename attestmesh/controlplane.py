@@ -18,22 +18,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from cryptography import x509
-
 from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import TcbGraceBook, deferrals_to_drop
-from certs.ca import (
-    CertificateAuthority,
-    Issuer,
-    build_leaf,
-    claims_class,
-    encode_claims_extension,
-    rotation_step,
-)
-from certs.ear import build_ear_extension
+from certs.ca import CertificateAuthority, Issuer, Leaf, issue, rotation_step
 from certs.errors import AttestmeshError, CollateralError, PolicyError
 from certs.evidence.claims import Claims, Collateral, TcbStatus, Tee, Verifier
 from certs.issuance import (
+    Admission,
     AttestRequest,
     EvidenceRejected,
     IdentityError,
@@ -43,7 +34,6 @@ from certs.issuance import (
 from certs.nonces import NonceBook
 from certs.policy import (
     DEFAULT_REATTESTATION,
-    Admitted,
     AttestationPolicy,
     Rejected,
     appraise_all,
@@ -648,8 +638,9 @@ class ControlPlane:
         except EvidenceRejected as exc:
             self._refused(req.workload, exc, now)
             raise
-        admitted, leaf, chain_pem = signed
-        not_after = leaf.not_valid_after_utc
+        admission, leaf = signed
+        admitted = admission.admitted
+        not_after = leaf.not_after
         due = min(now + interval, not_after)
         record = AttestationRecord(
             tee=admitted.claims.tee.value,
@@ -668,7 +659,7 @@ class ControlPlane:
             events.append(Event(EventKind.AUDIT, req.workload, now, "; ".join(finding.reasons)))
         durable = self._apply(state, events, (req.workload,))
         issued = Issued(
-            chain_pem=chain_pem,
+            chain_pem=leaf.chain_pem,
             bundle_pem=ca.bundle_pem,
             serial=serial,
             not_after=not_after,
@@ -1028,31 +1019,11 @@ def _verify_and_sign(
     spiffe_id: str,
     serial: int,
     now: datetime,
-) -> tuple[Admitted, x509.Certificate, bytes]:
+) -> tuple[Admission, Leaf]:
     """The CPU-bound part of an attestation (runs on a worker thread): verify -> bind ->
-    appraise, and only an ``Admitted`` value reaches the CA."""
-    verified = verify_request(req, verifiers, now)
-    admitted = decide(verified, governing, now)
-    leaf = build_leaf(
-        verified.csr,
-        spiffe_id=spiffe_id,
-        claims_extension=encode_claims_extension(admitted.claims, admitted.policy, now),
-        issuer=ca.intermediate,
-        serial=serial,
-        now=now,
-        ttl=admitted.certificate_ttl,
-        claims_class=claims_class(admitted.claims.tee.value, admitted.claims.measurements),
-        cmw_extension=build_ear_extension(
-            admitted.claims,
-            policy=admitted.policy,
-            spiffe_id=spiffe_id,
-            subject_key=verified.csr.public_key(),
-            nonce=req.nonce,
-            issuer=ca.intermediate,
-            now=now,
-        ),
-    )
-    return admitted, leaf, ca.chain_pem(leaf, ca.intermediate)  # it signed the leaf just now
+    appraise, and only the ``Admission`` that comes out reaches the CA."""
+    admission = decide(verify_request(req, verifiers, now), governing, now)
+    return admission, issue(admission, ca, spiffe_id=spiffe_id, serial=serial, now=now)
 
 
 class AttestationLimiter:

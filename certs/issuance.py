@@ -1,19 +1,24 @@
-"""Verify, bind, appraise: the path from raw evidence to an ``Admitted`` value. Pure.
+"""Verify, bind, appraise: the path from raw evidence to an ``Admission``. Pure.
 
-The CA never sees raw evidence: it receives the CSR and an ``Admitted`` decision only.
+The CA never sees raw evidence: its one leaf path (``certs.ca.issue``) takes an ``Admission``,
+and only this module makes one. ``verify_request`` returns a ``Verified`` (the CSR whose key the
+evidence binds, with this request's nonce, and the verified claims); ``decide`` appraises it and
+returns an ``Admission`` (that CSR and nonce with the policy's ``Admitted`` decision) or raises.
+Neither type has a public constructor: each takes a module-private seal, so a leaf cannot be
+signed for a key or claims that did not come this way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import final
 
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from certs.binding import binding_matches
-from certs.ca import parse_csr, spki_der
+from certs.csr import csr_key, parse_csr, spki_der
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims, Tee, Verifier
 from certs.policy import Admitted, AttestationPolicy, Rejected, appraise_all
@@ -56,10 +61,70 @@ class AttestRequest:
     collateral: Mapping[str, bytes] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+_SEAL = object()  # only this module constructs Verified and Admission
+
+
+@final
 class Verified:
-    csr: x509.CertificateSigningRequest
-    claims: Claims
+    """Evidence that verified to its vendor root and binds ``nonce`` and the CSR's key."""
+
+    __slots__ = ("_claims", "_csr", "_nonce")
+
+    def __init__(
+        self, seal: object, csr: x509.CertificateSigningRequest, claims: Claims, nonce: bytes
+    ) -> None:
+        if seal is not _SEAL:
+            raise TypeError("a Verified comes from certs.issuance.verify_request only")
+        self._csr, self._claims, self._nonce = csr, claims, nonce
+
+    @property
+    def csr(self) -> x509.CertificateSigningRequest:
+        return self._csr
+
+    @property
+    def claims(self) -> Claims:
+        return self._claims
+
+    @property
+    def nonce(self) -> bytes:
+        return self._nonce
+
+
+@final
+class Admission:
+    """The issuance decision: the verified CSR and nonce, and the policy's ``Admitted`` for its
+    claims. What the CA's ``issue`` takes; made by ``decide`` only."""
+
+    __slots__ = ("_admitted", "_verified")
+
+    def __init__(self, seal: object, verified: Verified, admitted: Admitted) -> None:
+        if seal is not _SEAL:
+            raise TypeError("an Admission comes from certs.issuance.decide only")
+        self._verified, self._admitted = verified, admitted
+
+    @property
+    def admitted(self) -> Admitted:
+        return self._admitted
+
+    @property
+    def csr(self) -> x509.CertificateSigningRequest:
+        return self._verified.csr
+
+    @property
+    def nonce(self) -> bytes:
+        return self._verified.nonce
+
+    @property
+    def claims(self) -> Claims:
+        return self.admitted.claims
+
+    @property
+    def policy(self) -> str:
+        return self.admitted.policy
+
+    @property
+    def certificate_ttl(self) -> timedelta:
+        return self.admitted.certificate_ttl
 
 
 def verify_request(
@@ -78,19 +143,17 @@ def verify_request(
         claims = verifier.verify(req.evidence, now=now, collateral=req.collateral)
     except AttestmeshError as exc:
         raise EvidenceRejected(exc.reason, exc.detail, tee) from exc
-    key = csr.public_key()
-    assert isinstance(key, ec.EllipticCurvePublicKey)  # parse_csr guarantees it
-    if not binding_matches(claims.report_data, req.nonce, spki_der(key)):
+    if not binding_matches(claims.report_data, req.nonce, spki_der(csr_key(csr))):
         raise EvidenceRejected(
             "binding_mismatch",
             "report data does not bind this nonce and the CSR's public key",
             tee,
         )
-    return Verified(csr, claims)
+    return Verified(_SEAL, csr, claims, req.nonce)
 
 
-def decide(verified: Verified, governing: Sequence[AttestationPolicy], now: datetime) -> Admitted:
-    """Appraise; only an Admitted value comes out, a rejection raises EvidenceRejected."""
+def decide(verified: Verified, governing: Sequence[AttestationPolicy], now: datetime) -> Admission:
+    """Appraise; only an Admission comes out, a rejection raises EvidenceRejected."""
     decision = appraise_all(verified.claims, governing, now)
     if isinstance(decision, Rejected):
         raise EvidenceRejected(
@@ -100,4 +163,4 @@ def decide(verified: Verified, governing: Sequence[AttestationPolicy], now: date
             decision.reasons,
             appraisal=True,
         )
-    return decision
+    return Admission(_SEAL, verified, decision)

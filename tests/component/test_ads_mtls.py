@@ -21,7 +21,8 @@ from grpclib.server import Server
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.serve import ControlPlaneSettings, _load_server_cert, _xds_tls
-from certs.ca import CertificateAuthority, build_leaf
+from certs.ca import CertificateAuthority
+from certs.ca.templates import build_leaf
 from tests.unit.fixtures_core import csr_pem, new_key
 from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
 from xds.build import Packer, build_snapshots

@@ -24,10 +24,10 @@ from certs.ca import (
     CertificateAuthority,
     Issuer,
     activation_time,
-    build_leaf,
     preparation_time,
     rotation_step,
 )
+from certs.ca.templates import build_leaf
 from certs.errors import AttestmeshError
 from certs.keystore import Pkcs11KeyStore, Pkcs11PrivateKey, open_key_store, parse_pkcs11_uri
 from tests.softhsm_harness import Token, init_token

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from OpenSSL import crypto
 
-import certs.ca as ca_module
+import certs.ca.slots as slots_module
 from certs.binding import expected_report_data
 from certs.ca import (
     PREVIOUS_RETENTION,
@@ -198,7 +198,7 @@ async def test_a_failed_rotation_step_is_retried_and_never_stops_the_tick(
     clock.now = preparation_time(first) - timedelta(seconds=1)
     plane.cp.check_deadlines()  # the CRL refresh, due after months, is not what is tested
     clock.now = preparation_time(first)
-    commit = ca_module._commit
+    commit = slots_module.commit
     failures = 0
 
     def disk_full(tmp: Path, path: Path) -> None:
@@ -206,12 +206,12 @@ async def test_a_failed_rotation_step_is_retried_and_never_stops_the_tick(
         failures += 1
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ca_module, "_commit", disk_full)
+    monkeypatch.setattr(slots_module, "commit", disk_full)
     published = len(plane.publisher.published)
     plane.cp.check_deadlines()  # logged, not raised
     assert failures == 1 and _ca(plane).prepared is None
     assert len(plane.publisher.published) == published
-    monkeypatch.setattr(ca_module, "_commit", commit)
+    monkeypatch.setattr(slots_module, "commit", commit)
     clock.advance(seconds=30)
     plane.cp.check_deadlines()  # still backing off
     assert _ca(plane).prepared is None

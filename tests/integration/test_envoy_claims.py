@@ -30,7 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.metrics import Metrics
-from certs.ca import CertificateAuthority, build_leaf, claims_class
+from certs.ca import CertificateAuthority, claims_class
+from certs.ca.templates import build_leaf
 from sidecar.bootstrap import ControlPlaneAddress, build_bootstrap
 from sidecar.sds import LocalSds, start_sds
 from tests.integration.envoy_harness import EnvoyProcess, free_port, run_envoy, serve_app

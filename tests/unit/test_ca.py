@@ -19,14 +19,13 @@ from certs.ca import (
     CLAIMS_OID,
     CertificateAuthority,
     CsrError,
-    build_crl,
-    build_leaf,
     build_server_cert,
     decode_claims_extension,
     encode_claims_extension,
     leaf_validity,
     parse_csr,
 )
+from certs.ca.templates import build_crl, build_leaf
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Tee
 from tests.unit.fixtures_core import NOW, TRUST_DOMAIN, claims, csr_pem, new_key

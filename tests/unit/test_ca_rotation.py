@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from OpenSSL import crypto
 
-import certs.ca as ca_module
+import certs.ca.slots as slots_module
 from certs.ca import (
     BACKDATE,
     INTERMEDIATE_LIFETIME,
@@ -29,12 +29,12 @@ from certs.ca import (
     CertificateAuthority,
     Issuer,
     activation_time,
-    build_leaf,
     encode_claims_extension,
     parse_csr,
     preparation_time,
     rotation_step,
 )
+from certs.ca.templates import build_leaf, ca_certificate
 from certs.errors import AttestmeshError
 from certs.policy import MAX_TTL
 from tests.unit.fixtures_core import NOW, TRUST_DOMAIN, claims, csr_pem, new_key
@@ -365,7 +365,7 @@ def _foreign_slot(ca_dir: Path, tmp: Path, kind: str) -> bytes:
     root_key = serialization.load_pem_private_key((ca_dir / "root.key").read_bytes(), None)
     assert isinstance(root_key, ec.EllipticCurvePrivateKey)
     key = new_key()
-    cert = ca_module._ca_cert(
+    cert = ca_certificate(
         "attestmesh intermediate other",
         key,
         Issuer(root, root_key),
@@ -376,7 +376,7 @@ def _foreign_slot(ca_dir: Path, tmp: Path, kind: str) -> bytes:
         0,
         "other",
     )
-    return ca_module._slot_json(Issuer(cert, key), None)
+    return slots_module.slot_json(Issuer(cert, key), None)
 
 
 @pytest.mark.parametrize("slot", [NEXT_SLOT, PREVIOUS_SLOT])
@@ -447,7 +447,7 @@ class FileOps:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
         self.crash_at: int | None = None
-        commit, remove = ca_module._commit, ca_module._remove
+        commit, remove = slots_module.commit, slots_module.remove
 
         def counted_commit(tmp: Path, path: Path) -> None:
             self._step()
@@ -457,8 +457,8 @@ class FileOps:
             self._step()
             remove(path)
 
-        monkeypatch.setattr(ca_module, "_commit", counted_commit)
-        monkeypatch.setattr(ca_module, "_remove", counted_remove)
+        monkeypatch.setattr(slots_module, "commit", counted_commit)
+        monkeypatch.setattr(slots_module, "remove", counted_remove)
 
     def _step(self) -> None:
         if self.count == self.crash_at:

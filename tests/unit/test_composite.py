@@ -18,11 +18,11 @@ from certs.binding import expected_report_data
 from certs.ca import (
     CLAIMS_OID,
     CertificateAuthority,
-    build_leaf,
     decode_claims_extension,
     encode_claims_extension,
     parse_csr,
 )
+from certs.ca.templates import build_leaf
 from certs.ear import build_ear_extension, verify_certificate_ear
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims, Tee

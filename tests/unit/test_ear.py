@@ -21,13 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attestmesh import inspect_cmd
-from certs.ca import (
-    CertificateAuthority,
-    Issuer,
-    build_leaf,
-    encode_claims_extension,
-    parse_csr,
-)
+from certs.ca import CertificateAuthority, Issuer, encode_claims_extension, parse_csr
+from certs.ca.templates import build_leaf
 from certs.ear import (
     CMW_IND_ATTESTATION_RESULTS,
     CMW_OID,

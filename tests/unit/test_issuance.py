@@ -7,11 +7,19 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from certs.binding import expected_report_data
-from certs.ca import CsrError
+from certs.ca import CertificateAuthority, issue
+from certs.csr import CsrError
 from certs.errors import EvidenceFormatError
 from certs.evidence.claims import Tee
 from certs.evidence.sim import SimVerifier, build_report
-from certs.issuance import AttestRequest, EvidenceRejected, Verified, decide, verify_request
+from certs.issuance import (
+    Admission,
+    AttestRequest,
+    EvidenceRejected,
+    Verified,
+    decide,
+    verify_request,
+)
 from certs.policy import Admitted, parse_policies
 from tests.unit.fixtures_core import (
     MEASUREMENT,
@@ -39,11 +47,12 @@ def _request(
     evidence: bytes | None = None,
     csr: bytes | None = None,
     measurement: bytes = MEASUREMENT,
+    debug: bool = False,
 ) -> AttestRequest:
     key = key or new_key()
     rd = expected_report_data(bound_nonce, spki(bound_key or key))
     if evidence is None:
-        evidence = build_report(PLATFORM, report_data=rd, measurement=measurement)
+        evidence = build_report(PLATFORM, report_data=rd, measurement=measurement, debug=debug)
     return AttestRequest("web-1", tee, evidence, csr if csr is not None else csr_pem(key), nonce)
 
 
@@ -100,22 +109,25 @@ def test_evidence_bound_to_another_nonce_is_binding_mismatch() -> None:
 
 
 def _verified(**overrides: Any) -> Verified:
-    return Verified(csr=None, claims=claims(**overrides))  # type: ignore[arg-type]
+    return verify_request(_request(**overrides), VERIFIERS, NOW)
 
 
 def test_decide_admits_with_the_governing_ttl() -> None:
     policies = parse_policies([policy_doc(certificateTTL="10m", reattestationInterval="5m")])
-    admitted = decide(_verified(), policies, NOW)
-    assert isinstance(admitted, Admitted)
-    assert admitted.certificate_ttl == timedelta(minutes=10)
-    assert admitted.policy == "default/pol"
+    verified = _verified()
+    admission = decide(verified, policies, NOW)
+    assert isinstance(admission.admitted, Admitted)
+    assert admission.certificate_ttl == timedelta(minutes=10)
+    assert admission.policy == "default/pol"
+    assert admission.claims == verified.claims
+    assert (admission.csr, admission.nonce) == (verified.csr, NONCE)
 
 
 def test_decide_raises_with_every_reason() -> None:
     policies = parse_policies([policy_doc()])
     with pytest.raises(EvidenceRejected) as info:
         decide(
-            _verified(debug=True, measurements={"measurement": OTHER_MEASUREMENT.hex()}),
+            _verified(debug=True, measurement=OTHER_MEASUREMENT),
             policies,
             NOW,
         )
@@ -139,3 +151,31 @@ def test_decide_refuses_an_identity_governed_only_by_audit_policies() -> None:
         decide(_verified(), policies, NOW)  # evidence the audit policy itself would admit
     assert (info.value.reason, info.value.appraisal) == ("no_enforcing_policy", True)
     assert "default/pol" in info.value.detail
+
+
+def test_only_verification_and_appraisal_make_verified_and_admission() -> None:
+    """The CA's leaf path takes an Admission; neither it nor the Verified it comes from can be
+    made from claims and a CSR that did not pass verify_request and decide."""
+    verified = _verified()
+    admission = decide(verified, parse_policies([policy_doc()]), NOW)
+    with pytest.raises(TypeError, match="verify_request only"):
+        Verified(object(), verified.csr, claims(), NONCE)
+    with pytest.raises(TypeError, match="decide only"):
+        Admission(object(), verified, admission.admitted)
+    with pytest.raises(AttributeError):
+        verified.claims = claims(debug=True)  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        admission.csr = verified.csr  # type: ignore[misc]
+
+
+def test_issue_signs_the_admitted_key_with_the_admitted_ttl(tmp_path: Any) -> None:
+    key = new_key()
+    verified = verify_request(_request(key=key), VERIFIERS, NOW)
+    policies = parse_policies([policy_doc(certificateTTL="10m", reattestationInterval="5m")])
+    admission = decide(verified, policies, NOW)
+    ca = CertificateAuthority.load_or_create(tmp_path, "spiffe://td.test", NOW)
+    leaf = issue(admission, ca, spiffe_id="spiffe://td.test/ns/a/sa/b", serial=77, now=NOW)
+    assert leaf.cert.public_key() == key.public_key()
+    assert (leaf.serial, leaf.not_after) == (77, NOW + timedelta(minutes=10))
+    leaf.cert.verify_directly_issued_by(ca.intermediate.cert)
+    assert leaf.chain_pem.endswith(ca.intermediate_pem)

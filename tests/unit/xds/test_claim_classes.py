@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from certs.binding import expected_report_data
-from certs.ca import CertificateAuthority, build_leaf, claims_class
+from certs.ca import CertificateAuthority, claims_class
+from certs.ca.templates import build_leaf
 from certs.evidence import sim
 from certs.issuance import AttestRequest
 from tests.unit.fixtures_core import (

@@ -1,0 +1,201 @@
+"""Certificate templates: mesh leaves, CA certificates, CRLs, the control plane's serving
+certificate. Pure: keys, time and serial numbers come in as arguments; nothing is read or written.
+
+A mesh leaf is signed from an ``Admission`` only (``certs.ca.issue``): ``build_leaf`` is the
+template it fills, and no module above ``certs.ca`` imports this one (the ``leaf`` contract in
+pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from certs.ca.claims import CLAIMS_CLASS_ORG, CLAIMS_CLASS_PATTERN, CLAIMS_OID
+from certs.csr import CsrError
+from certs.ear import CMW_OID
+from certs.errors import AttestmeshError
+
+BACKDATE = timedelta(seconds=30)
+
+
+@dataclass(frozen=True, slots=True)
+class Issuer:
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+
+def leaf_validity(
+    now: datetime, ttl: timedelta, issuer_not_after: datetime
+) -> tuple[datetime, datetime]:
+    """notBefore backdated a little for clock skew; notAfter never past the issuer's."""
+    if ttl <= timedelta(0):
+        raise ValueError("ttl must be positive")
+    not_after = min(now + ttl, issuer_not_after)
+    if not_after <= now:
+        raise AttestmeshError("ca_expired", "the issuing CA has expired")
+    return now - BACKDATE, not_after
+
+
+def build_leaf(
+    csr: x509.CertificateSigningRequest,
+    *,
+    spiffe_id: str,
+    claims_extension: bytes,
+    issuer: Issuer,
+    serial: int,
+    now: datetime,
+    ttl: timedelta,
+    claims_class: str | None = None,
+    cmw_extension: bytes | None = None,
+) -> x509.Certificate:
+    """Sign a mesh leaf: SPIFFE URI SAN only, client+server auth, claims extension. With
+    ``claims_class`` the Subject is ``O=attestmesh, OU=<claims_class>`` (Envoy forwards it in
+    x-forwarded-client-cert, which claims-conditioned RBAC matches); without, it is empty.
+    ``cmw_extension``: the attestation result in standard form (``certs.ear``), non-critical."""
+    not_before, not_after = leaf_validity(now, ttl, issuer.cert.not_valid_after_utc)
+    key = csr.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise CsrError("csr_key_type", "the CSR key must be ECDSA P-256")
+    if claims_class is not None and not CLAIMS_CLASS_PATTERN.fullmatch(claims_class):
+        raise ValueError(f"not a claims class: {claims_class!r}")
+    subject = (
+        x509.Name([])
+        if claims_class is None
+        else x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, CLAIMS_CLASS_ORG),
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, claims_class),
+            ]
+        )
+    )
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer.cert.subject)
+        .public_key(key)
+        .serial_number(serial)
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(spiffe_id)]), critical=True
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            critical=False,
+        )
+        .add_extension(x509.UnrecognizedExtension(CLAIMS_OID, claims_extension), critical=False)
+    )
+    if cmw_extension is not None:
+        builder = builder.add_extension(
+            x509.UnrecognizedExtension(CMW_OID, cmw_extension), critical=False
+        )
+    return builder.sign(issuer.key, hashes.SHA256())
+
+
+def build_crl(
+    issuer: Issuer, revoked: Iterable[tuple[int, datetime]], now: datetime, next_update: timedelta
+) -> x509.CertificateRevocationList:
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(issuer.cert.subject)
+        .last_update(now - BACKDATE)
+        .next_update(now + next_update)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            critical=False,
+        )
+    )
+    for serial, revoked_at in sorted(revoked):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder()
+            .serial_number(serial)
+            .revocation_date(revoked_at)
+            .build()
+        )
+    return builder.sign(issuer.key, hashes.SHA256())
+
+
+def ca_certificate(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: Issuer | None,
+    now: datetime,
+    lifetime: timedelta,
+    serial: int,
+    trust_domain: str,
+    path_length: int,
+    generation: str | None = None,
+) -> x509.Certificate:
+    attributes = [
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "attestmesh"),
+        x509.NameAttribute(NameOID.COMMON_NAME, subject),
+    ]
+    if generation is not None:  # rotated intermediates: a distinct name per key (CRL matching)
+        attributes.append(x509.NameAttribute(NameOID.SERIAL_NUMBER, generation))
+    name = x509.Name(attributes)
+    signer_key = issuer.key if issuer else key
+    not_after = now + lifetime
+    if issuer is not None:
+        not_after = min(not_after, issuer.cert.not_valid_after_utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer.cert.subject if issuer else name)
+        .public_key(key.public_key())
+        .serial_number(serial)
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=path_length), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.NameConstraints(
+                permitted_subtrees=[x509.UniformResourceIdentifier(trust_domain)],
+                excluded_subtrees=None,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(signer_key, hashes.SHA256())
+    )
