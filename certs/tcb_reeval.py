@@ -8,7 +8,7 @@ re-attesting:
 * Intel (TDX, SGX): ``details`` ``fmspc``, ``pce_id``, ``pck_ca``, ``pck_serial``,
   ``tee_tcb_svn`` (TDX), ``tcb_eval_data_number``; ``tcb`` ``sgx_tcb_comp01..16``,
   ``pce_svn``, ``qe_svn``. The TCB level, the TDX module level and the QE level are matched as
-  the verifier does (``certs.evidence.intel_dcap``); a PCK certificate on the PCK CRL is
+  the verifier does (``certs.evidence.dcap``); a PCK certificate on the PCK CRL is
   ``Revoked``. Collateral older than the one the claims were evaluated with (a lower
   ``tcbEvaluationDataNumber``) is ignored: a replayed older document cannot undo a downgrade.
 * AMD SEV-SNP: ``details`` ``product``, ``endorsement_serial`` (VCEK/VLEK),
@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from certs.errors import EvidenceVerificationError
 from certs.evidence.claims import Claims, Detail, TcbStatus, Tee
-from certs.evidence.intel_dcap import (
+from certs.evidence.dcap import (
     EnclaveIdentity,
     PckExtension,
     TcbInfo,

@@ -14,7 +14,7 @@ Endpoints (``base``: the operator's ``--intel-pcs-url``, Intel's is
 Each response (body and the issuer-chain header) is cached as one blob with
 ``certs.collateral.cache.fetch_cached``; expiry is the document's own ``nextUpdate``. When the
 vendor is down a stale entry is served with a warning; with nothing cached, ``CollateralError``.
-The names returned are those ``certs.evidence.intel_dcap`` documents.
+The names returned are those ``certs.evidence.dcap`` documents.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from cryptography import x509
 from certs.collateral.cache import DiskCache, fetch_cached
 from certs.errors import CollateralError, EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Collateral
-from certs.evidence.intel_dcap import (
+from certs.evidence.dcap import (
     load_certificates,
     parse_pck_extension,
     parse_quote,

@@ -27,14 +27,18 @@ from datetime import datetime
 from typing import Any
 
 import cbor2
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims, Collateral, Tee, evidence_digest
-from certs.evidence.x509chain import MAX_CERT_DER, MAX_CHAIN, ChainVerifier
+from certs.evidence.x509chain import (
+    MAX_CERT_DER,
+    MAX_CHAIN,
+    ChainVerifier,
+    EcdsaLinks,
+    verify_raw_ecdsa,
+)
 
 MAX_DOCUMENT = 32 * 1024
 MAX_OPTIONAL_FIELD = 1024  # NSM limit for user_data, nonce and public_key
@@ -222,21 +226,19 @@ def looks_like(evidence: bytes) -> bool:
 
 
 def verify_signature(doc: NitroDocument, key: ec.EllipticCurvePublicKey) -> None:
-    r = int.from_bytes(doc.signature[:48], "big")
-    s = int.from_bytes(doc.signature[48:], "big")
-    try:
-        key.verify(encode_dss_signature(r, s), doc.signed_bytes(), ec.ECDSA(hashes.SHA384()))
-    except InvalidSignature:
+    if not verify_raw_ecdsa(key, doc.signature, doc.signed_bytes(), hashes.SHA384()):
         raise EvidenceVerificationError(
             "signature_invalid", "COSE_Sign1 ES384 signature does not verify"
-        ) from None
+        )
 
 
 class NitroVerifier:
     """Verifies Nitro attestation documents to a pinned root (DER or PEM bytes)."""
 
     def __init__(self, root: bytes) -> None:
-        self._chains = ChainVerifier(root, curve=ec.SECP384R1, hash_algorithm=hashes.SHA384)
+        self._chains = ChainVerifier(
+            root, links=EcdsaLinks(ec.SECP384R1, hashes.SHA384), leaf_curve=ec.SECP384R1
+        )
 
     @property
     def tee(self) -> Tee:

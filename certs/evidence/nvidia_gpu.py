@@ -39,14 +39,17 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims, Collateral, Detail, Tee, evidence_digest
-from certs.evidence.x509chain import ChainVerifier, load_pem_chain
+from certs.evidence.x509chain import (
+    ChainVerifier,
+    EcdsaLinks,
+    load_pem_chain,
+    verify_raw_ecdsa,
+)
 
 MAX_REPORT = 16 * 1024
 MAX_TRAILING = 16
@@ -216,15 +219,10 @@ def looks_like(evidence: bytes) -> bool:
 
 
 def verify_signature(report: SpdmReport, key: ec.EllipticCurvePublicKey) -> None:
-    half = SIGNATURE_LEN // 2
-    r = int.from_bytes(report.signature[:half], "big")
-    s = int.from_bytes(report.signature[half:], "big")
-    try:
-        key.verify(encode_dss_signature(r, s), report.signed, ec.ECDSA(hashes.SHA384()))
-    except InvalidSignature:
+    if not verify_raw_ecdsa(key, report.signature, report.signed, hashes.SHA384()):
         raise EvidenceVerificationError(
             "signature_invalid", "SPDM measurement signature does not verify"
-        ) from None
+        )
 
 
 def verify_fwid(report: SpdmReport, leaf: x509.Certificate) -> None:
@@ -245,7 +243,9 @@ class NvidiaGpuVerifier:
     """Verifies H100 SPDM reports to the pinned NVIDIA Device Identity root (DER or PEM)."""
 
     def __init__(self, root: bytes, *, cert_chain: bytes | None = None) -> None:
-        self._chains = ChainVerifier(root, curve=ec.SECP384R1, hash_algorithm=hashes.SHA384)
+        self._chains = ChainVerifier(
+            root, links=EcdsaLinks(ec.SECP384R1, hashes.SHA384), leaf_curve=ec.SECP384R1
+        )
         self._default_chain = load_pem_chain(cert_chain) if cert_chain is not None else None
         self._pem_cache: dict[bytes, tuple[bytes, ...]] = {}
 
@@ -273,7 +273,7 @@ class NvidiaGpuVerifier:
         report = parse_measurement_report(evidence)
         chain = self._chains.verify(self._chain(collateral), now)
         verify_signature(report, chain.leaf_key)
-        verify_fwid(report, chain.leaf)
+        verify_fwid(report, chain.leaf.cert)
         return build_claims(report, evidence_digest(bytes(evidence)))
 
 

@@ -1,6 +1,6 @@
-"""Intel SGX DCAP quote (v3, and v4/v5 SGX bodies) verifier: a thin layer over ``intel_dcap``.
+"""Intel SGX DCAP quote (v3, and v4/v5 SGX bodies) verifier: thin, over ``certs.evidence.dcap``.
 
-Collateral names: see ``certs.evidence.intel_dcap`` (``collateral_json`` or ``tcb_info``,
+Collateral names: see ``certs.evidence.dcap`` (``collateral_json`` or ``tcb_info``,
 ``tcb_info_issuer_chain``, ``qe_identity``, ``qe_identity_issuer_chain``, ``pck_crl``,
 ``pck_crl_issuer_chain``, ``root_ca_crl``).
 """
@@ -12,7 +12,7 @@ from datetime import datetime
 
 from certs.errors import EvidenceVerificationError
 from certs.evidence.claims import Claims, Detail, Tee, evidence_digest
-from certs.evidence.intel_dcap import (
+from certs.evidence.dcap import (
     TEE_TYPE_SGX,
     DcapVerifier,
     EnclaveReport,

@@ -1,19 +1,25 @@
-"""Verify a short X.509 chain to one pinned ECDSA root, with a bounded cache of verified links.
+"""The project's one X.509/DER toolkit: every verifier (Nitro, NVIDIA, SEV-SNP, Intel DCAP) and
+the collateral code use it, and nothing else parses certificates, walks DER or checks validity.
 
-Shared by the Nitro and NVIDIA verifiers, whose vendor chains are all-ECDSA on one curve and
-hash. Signatures do not depend on time, so a verified ``(child, issuer)`` link is cached (keyed by
-both DER encodings); validity windows are checked against ``now`` on every call.
-
-Reasons: ``untrusted_root`` (the chain does not end at the pinned root), ``chain_invalid``
-(issuer name or signature mismatch, wrong key type, an issuer that is not a CA),
-``certificate_expired`` / ``certificate_not_yet_valid`` (some certificate is outside its validity
-at ``now``), and ``certificate_invalid`` (a certificate does not parse; a format error).
-
-``parse_certificate``/``parse_certificates`` are the project's one strict certificate loader (also
-used by the Intel DCAP and SEV-SNP verifiers): everything ``cryptography`` raises or warns about
-while decoding the parts we read (names, key, signature algorithm, extensions, validity) becomes
-``EvidenceFormatError("certificate_invalid")``, and the parts the signature does not cover (the
-outer signatureAlgorithm, the signature's unused bits) must be canonical.
+* ``parse_certificate``/``parse_certificates``: the one strict certificate loader. Everything
+  ``cryptography`` raises or warns about while decoding the parts we read (names, key, signature
+  algorithm, extensions, validity) becomes ``EvidenceFormatError("certificate_invalid")``, and the
+  parts the signature does not cover (the outer signatureAlgorithm, the signature's unused bits)
+  must be canonical. ``decode_strictly`` is the same discipline for other ``cryptography``
+  decoding (CRLs).
+* ``der_tlv``/``der_items``/``der_single``/``der_uint``: the one set of DER helpers, for vendor
+  extensions ``cryptography`` leaves undecoded (Intel's SGX extension, AMD's TCB and hwID).
+* ``Window``/``check_window``: the one validity check; ``now`` is always an argument.
+  Reasons ``<kind>_not_yet_valid`` / ``<kind>_expired`` (kind ``certificate`` or ``collateral``).
+* ``ChainVerifier``/``VerifiedChain``: the one chain verifier, to one pinned root, with the
+  vendor's link algorithm as a ``LinkScheme`` (``EcdsaLinks``, ``RsaPssLinks``). Signatures do not
+  depend on time, so verified links and chains are cached (keyed by DER); validity is checked
+  against ``now`` on every call. Reasons: ``untrusted_root`` (the chain does not end at the
+  pinned root), ``chain_invalid`` (issuer name or signature mismatch, wrong key type or
+  algorithm, an issuer that is not a CA), ``certificate_expired`` /
+  ``certificate_not_yet_valid``, ``certificate_invalid`` (a certificate does not parse; a format
+  error).
+* ``verify_raw_ecdsa``: vendor signatures carried as big-endian ``r || s``.
 """
 
 from __future__ import annotations
@@ -22,16 +28,17 @@ import itertools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Final, Generic, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.utils import CryptographyDeprecationWarning
 
@@ -131,8 +138,15 @@ def _certificate_invalid(what: str) -> Callable[[str], AttestmeshError]:
     return lambda detail: EvidenceFormatError("certificate_invalid", f"{what}: {detail}")
 
 
-def _tlv(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
-    """(tag, content start, content end) of the DER element at ``pos`` (short tags only)."""
+# ---------------------------------------------------------------------------------------------
+# DER: the one set of helpers for the parts ``cryptography`` leaves undecoded (vendor extensions,
+# the unsigned parts of a certificate). Short tags, definite lengths of at most 3 bytes; every
+# malformation is ValueError (callers translate it to their reason).
+
+
+def der_tlv(data: bytes, pos: int = 0, end: int | None = None) -> tuple[int, int, int]:
+    """(tag, content start, content end) of the DER element at ``pos`` inside ``data[:end]``."""
+    end = len(data) if end is None else end
     if pos + 2 > end:
         raise ValueError("DER element runs past its parent")
     tag, length = data[pos], data[pos + 1]
@@ -148,24 +162,58 @@ def _tlv(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
     return tag, pos, pos + length
 
 
+def der_items(content: bytes) -> list[tuple[int, bytes]]:
+    """Split DER content (e.g. a SEQUENCE's) into its (tag, content) elements."""
+    items: list[tuple[int, bytes]] = []
+    pos = 0
+    while pos < len(content):
+        tag, start, pos = der_tlv(content, pos)
+        items.append((tag, content[start:pos]))
+    return items
+
+
+def der_single(data: bytes, tag: int) -> bytes:
+    """The content of ``data``, which must be exactly one element with ``tag``."""
+    items = der_items(data)
+    if len(items) != 1 or items[0][0] != tag:
+        raise ValueError(f"not one DER element with tag {tag:#04x}")
+    return items[0][1]
+
+
+def der_uint(content: bytes, *, max_len: int | None = None) -> int:
+    """A non-negative INTEGER from its content octets (at most ``max_len`` of them)."""
+    if not content or content[0] & 0x80:
+        raise ValueError("not a non-negative integer")
+    if max_len is not None and len(content) > max_len:
+        raise ValueError(f"integer longer than {max_len} bytes")
+    return int.from_bytes(content, "big")
+
+
+TAG_INTEGER: Final = 0x02
+TAG_OCTET_STRING: Final = 0x04
+TAG_OID: Final = 0x06
+TAG_IA5_STRING: Final = 0x16
+TAG_SEQUENCE: Final = 0x30
+
+
 def _check_outer_signature(der: bytes) -> None:
     """The parts of a certificate its signature does not cover must be canonical: the outer
     signatureAlgorithm equals the signed one in tbsCertificate (RFC 5280 4.1.1.2, byte for byte;
     without this, e.g., RSASSA-PSS parameters in the outer copy could be altered freely), and the
     signature BIT STRING has no unused bits."""
-    _, start, end = _tlv(der, 0, len(der))
-    _, tbs_start, tbs_end = _tlv(der, start, end)
-    _, _, alg_end = _tlv(der, tbs_end, end)
+    _, start, end = der_tlv(der, 0, len(der))
+    _, tbs_start, tbs_end = der_tlv(der, start, end)
+    _, _, alg_end = der_tlv(der, tbs_end, end)
     outer = der[tbs_end:alg_end]
-    tag, bits_start, bits_end = _tlv(der, alg_end, end)
+    tag, bits_start, bits_end = der_tlv(der, alg_end, end)
     if tag != 0x03 or bits_end != end or bits_start == bits_end or der[bits_start] != 0:
         raise ValueError("signature BIT STRING has unused bits or trailing data")
     pos = tbs_start
-    tag, _, field_end = _tlv(der, pos, tbs_end)
+    tag, _, field_end = der_tlv(der, pos, tbs_end)
     if tag == 0xA0:  # [0] version
         pos = field_end
-    _, _, pos = _tlv(der, pos, tbs_end)  # serialNumber
-    _, _, inner_end = _tlv(der, pos, tbs_end)
+    _, _, pos = der_tlv(der, pos, tbs_end)  # serialNumber
+    _, _, inner_end = der_tlv(der, pos, tbs_end)
     if der[pos:inner_end] != outer:
         raise ValueError("outer signatureAlgorithm differs from the signed one in tbsCertificate")
 
@@ -251,24 +299,89 @@ def load_pem_chain(data: bytes) -> tuple[bytes, ...]:
     return tuple(c.der for c in parse_certificates(data))
 
 
-@dataclass(frozen=True, slots=True)
-class VerifiedChain:
-    """A chain whose links verified; ``not_before``/``not_after`` bound every certificate."""
+# ---------------------------------------------------------------------------------------------
+# names and validity windows
 
-    leaf_key: ec.EllipticCurvePublicKey
-    leaf: x509.Certificate
+
+def common_name(name: x509.Name) -> str:
+    """The first CN of ``name`` (a decoded name: formatting only), else its RFC 4514 text."""
+    attrs = name.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    if not attrs:
+        return name.rfc4514_string()
+    value = attrs[0].value
+    return value if isinstance(value, str) else value.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A validity period; ``starts``/``ends`` name what its bounds come from (for details)."""
+
     not_before: datetime
     not_after: datetime
+    starts: str = ""
+    ends: str = ""
 
-    def check_time(self, now: datetime) -> None:
-        if now < self.not_before:
-            raise EvidenceVerificationError(
-                "certificate_not_yet_valid", f"a chain certificate is valid from {self.not_before}"
-            )
-        if now > self.not_after:
-            raise EvidenceVerificationError(
-                "certificate_expired", f"a chain certificate expired at {self.not_after}"
-            )
+    def contains(self, now: datetime) -> bool:
+        return self.not_before <= now <= self.not_after
+
+    @staticmethod
+    def of(cert: ParsedCertificate) -> Window:
+        name = cert.subject_text
+        return Window(cert.not_before, cert.not_after, name, name)
+
+    @staticmethod
+    def intersection(windows: Iterable[Window]) -> Window:
+        """The period inside every window (empty when the latest start is after the earliest end),
+        naming the windows that bind it."""
+        items = list(windows)
+        start = max(items, key=lambda w: w.not_before)
+        end = min(items, key=lambda w: w.not_after)
+        return Window(start.not_before, end.not_after, start.starts, end.ends)
+
+
+def check_window(window: Window, now: datetime, *, kind: str = "certificate") -> None:
+    """The one validity check: raise ``<kind>_not_yet_valid`` / ``<kind>_expired`` when ``now``
+    (an aware datetime, passed in: nothing here reads a clock) is outside ``window``."""
+    if now.tzinfo is None:
+        raise ValueError("now must be an aware datetime")
+    if now < window.not_before:
+        raise EvidenceVerificationError(
+            f"{kind}_not_yet_valid", f"{window.starts} valid from {window.not_before.isoformat()}"
+        )
+    if now > window.not_after:
+        raise EvidenceVerificationError(
+            f"{kind}_expired", f"{window.ends} valid until {window.not_after.isoformat()}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# raw signatures
+
+
+def raw_ecdsa_signature(rs: bytes) -> bytes:
+    """DER ECDSA-Sig-Value from big-endian ``r || s`` of equal halves (ValueError otherwise)."""
+    if not rs or len(rs) % 2:
+        raise ValueError("raw ECDSA signature must be r || s of equal length")
+    half = len(rs) // 2
+    return encode_dss_signature(int.from_bytes(rs[:half], "big"), int.from_bytes(rs[half:], "big"))
+
+
+def verify_raw_ecdsa(
+    key: ec.EllipticCurvePublicKey, rs: bytes, data: bytes, hash_algorithm: hashes.HashAlgorithm
+) -> bool:
+    """Whether ``rs`` (big-endian ``r || s``, each as long as the curve's order) is ``key``'s
+    ECDSA signature over ``data``."""
+    if len(rs) != 2 * ((key.curve.key_size + 7) // 8):
+        return False
+    try:
+        key.verify(raw_ecdsa_signature(rs), data, ec.ECDSA(hash_algorithm))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# caches
 
 
 K = TypeVar("K")
@@ -309,89 +422,202 @@ class Lru(Generic[K, V]):
         return value
 
 
-class ChainVerifier:
-    """Verifies leaf-first DER chains to one pinned root.
+# ---------------------------------------------------------------------------------------------
+# the one chain verifier
 
-    The chain may end with the root itself (byte-identical) or with a certificate the root
-    issued. Every certificate key must be ECDSA on ``curve``; every signature must use ``hash``.
-    Every certificate is parsed strictly first (``parse_certificate``), so a malformed one is
-    ``certificate_invalid`` and nothing later reads an undecodable part.
-    """
 
-    def __init__(
-        self,
-        root: bytes,
-        *,
-        curve: type[ec.EllipticCurve] = ec.SECP384R1,
-        hash_algorithm: type[hashes.HashAlgorithm] = hashes.SHA384,
-        cache_size: int = 512,
-    ) -> None:
-        self._root = parse_certificate(root, max_size=4 * MAX_CERT_DER)
-        self._root_der = self._root.der
-        self._curve = curve
-        self._hash = hash_algorithm
-        self._links: Lru[tuple[bytes, bytes], bool] = Lru(cache_size)
-        self._parsed: Lru[bytes, ParsedCertificate] = Lru(cache_size)
-        self._chains: Lru[tuple[bytes, ...], VerifiedChain] = Lru(cache_size)
+class LinkScheme(Protocol):
+    """How a certificate's signature by its issuer is checked (the vendor's algorithm)."""
 
-    @property
-    def root_der(self) -> bytes:
-        return self._root_der
+    def check(self, child: ParsedCertificate, parent: ParsedCertificate) -> None:
+        """Raise ``EvidenceVerificationError("chain_invalid", ...)`` unless ``parent`` signed
+        ``child`` the scheme's way."""
 
-    def _parse(self, der: bytes) -> ParsedCertificate:
-        cached = self._parsed.get(der)
-        if cached is not None:
-            return cached
-        if der.lstrip()[:10] == b"-----BEGIN":
-            raise EvidenceFormatError("certificate_invalid", "chain certificates must be DER")
-        cert = parse_certificate(der)
-        self._parsed.put(der, cert)
-        return cert
 
-    def _key(self, cert: ParsedCertificate) -> ec.EllipticCurvePublicKey:
-        key = cert.public_key
-        if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, self._curve):
+_LINK_ERRORS = (ValueError, TypeError, UnsupportedAlgorithm, InvalidSignature)
+"""What ``verify_directly_issued_by`` raises for a link that does not verify."""
+
+
+@dataclass(frozen=True, slots=True)
+class EcdsaLinks:
+    """ECDSA links: the issuer key on ``curve``, the signature with ``hash_algorithm``
+    (Nitro and NVIDIA: P-384/SHA-384; Intel DCAP: P-256/SHA-256)."""
+
+    curve: type[ec.EllipticCurve]
+    hash_algorithm: type[hashes.HashAlgorithm]
+
+    def check(self, child: ParsedCertificate, parent: ParsedCertificate) -> None:
+        key = parent.public_key
+        if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, self.curve):
             raise EvidenceVerificationError(
-                "chain_invalid", f"{cert.subject_text}: key is not {self._curve.name}"
+                "chain_invalid", f"{parent.subject_text}: key is not {self.curve.name}"
             )
-        return key
-
-    def _check_link(self, child: ParsedCertificate, parent: ParsedCertificate) -> None:
-        if self._links.get((child.der, parent.der)) is not None:
-            return
-        self._key(parent)
-        constraints = parent.basic_constraints()
-        if constraints is None or not constraints.ca:
-            raise EvidenceVerificationError("chain_invalid", f"{parent.subject_text} is not a CA")
-        if not isinstance(child.signature_hash, self._hash):
+        if not isinstance(child.signature_hash, self.hash_algorithm):
             raise EvidenceVerificationError(
-                "chain_invalid", f"{child.subject_text}: signature hash is not {self._hash.name}"
+                "chain_invalid",
+                f"{child.subject_text}: signature hash is not {self.hash_algorithm.name}",
             )
         try:
             child.cert.verify_directly_issued_by(parent.cert)
-        except (ValueError, TypeError, UnsupportedAlgorithm, InvalidSignature) as exc:
+        except _LINK_ERRORS as exc:
             raise EvidenceVerificationError(
                 "chain_invalid",
                 f"{child.subject_text} not issued by {parent.subject_text}: "
                 f"{exc or 'bad signature'}",
             ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class RsaPssLinks:
+    """RSASSA-PSS links with parameters fixed here, not read from the certificate (AMD: SHA-384,
+    MGF1-SHA-384, salt 48). The strict parser already requires the unsigned outer
+    signatureAlgorithm (with its PSS parameters) to equal the signed one."""
+
+    hash_algorithm: type[hashes.HashAlgorithm] = hashes.SHA384
+    salt_length: int = 48
+
+    def check(self, child: ParsedCertificate, parent: ParsedCertificate) -> None:
+        if child.issuer != parent.subject:
+            raise EvidenceVerificationError(
+                "chain_invalid",
+                f"{child.subject_text}: issuer {child.issuer_text!r} != {parent.subject_text!r}",
+            )
+        key = parent.public_key
+        if not isinstance(key, rsa.RSAPublicKey):
+            raise EvidenceVerificationError(
+                "chain_invalid", f"{parent.subject_text}: key is not RSA"
+            )
+        if child.signature_algorithm_oid != x509.SignatureAlgorithmOID.RSASSA_PSS or not (
+            isinstance(child.signature_hash, self.hash_algorithm)
+        ):
+            raise EvidenceVerificationError(
+                "chain_invalid",
+                f"{child.subject_text}: not RSASSA-PSS/{self.hash_algorithm.name}",
+            )
+        pss = padding.PSS(mgf=padding.MGF1(self.hash_algorithm()), salt_length=self.salt_length)
+        try:
+            key.verify(
+                child.cert.signature, child.cert.tbs_certificate_bytes, pss, self.hash_algorithm()
+            )
+        except InvalidSignature:
+            raise EvidenceVerificationError(
+                "chain_invalid", f"{child.subject_text} not issued by {parent.subject_text}"
+            ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedChain:
+    """A chain whose links verified up to the pinned root (time-free: ``check_time`` is the
+    validity check, at the caller's ``now``)."""
+
+    certs: tuple[ParsedCertificate, ...]
+    """Non-root certificates, leaf first (the root itself when it is the whole chain)."""
+    root: ParsedCertificate
+    leaf_key: ec.EllipticCurvePublicKey
+    window: Window
+    """Where every certificate of the chain, the root included, is valid."""
+
+    @property
+    def leaf(self) -> ParsedCertificate:
+        return self.certs[0]
+
+    @property
+    def issuer(self) -> ParsedCertificate:
+        """The leaf's issuer (the root for a one-certificate chain)."""
+        return self.certs[1] if len(self.certs) > 1 else self.root
+
+    def check_time(self, now: datetime) -> None:
+        check_window(self.window, now, kind="certificate")
+
+
+class ChainVerifier:
+    """Verifies leaf-first chains to one pinned root: the one chain verifier of the project.
+
+    The chain may end with the root itself (byte-identical) or with a certificate the root
+    issued. ``links`` checks every signature (the top certificate's by the root: a failure
+    there, or a top issuer that is not the root, is ``untrusted_root``; any other link's is
+    ``chain_invalid``); every issuer must be a CA (BasicConstraints); the leaf key must be ECDSA on
+    ``leaf_curve``. Certificates given as DER are parsed strictly first (``parse_certificate``),
+    so a malformed one is ``certificate_invalid``. Verified links and chains are cached (bounded,
+    keyed by DER); validity is checked against ``now`` on every call.
+    """
+
+    def __init__(
+        self,
+        root: bytes | ParsedCertificate,
+        *,
+        links: LinkScheme,
+        leaf_curve: type[ec.EllipticCurve],
+        max_chain: int = MAX_CHAIN,
+        max_cert_size: int = MAX_CERT_DER,
+        allow_nonpositive_serial: bool = False,
+        self_signed_root: bool = False,
+        cache_size: int = 512,
+    ) -> None:
+        """``self_signed_root``: also check the root's own signature (once, here)."""
+        if isinstance(root, ParsedCertificate):
+            self._root = root
+        else:
+            self._root = parse_certificate(
+                root, max_size=4 * max_cert_size, allow_nonpositive_serial=allow_nonpositive_serial
+            )
+        self._links_scheme = links
+        self._leaf_curve = leaf_curve
+        self._max_chain = max_chain
+        self._max_size = max_cert_size
+        self._allow_nonpositive_serial = allow_nonpositive_serial
+        self._links: Lru[tuple[bytes, bytes], bool] = Lru(cache_size)
+        self._parsed: Lru[bytes, ParsedCertificate] = Lru(cache_size)
+        self._chains: Lru[tuple[bytes, ...], VerifiedChain] = Lru(cache_size)
+        if self_signed_root:
+            links.check(self._root, self._root)
+
+    @property
+    def root(self) -> ParsedCertificate:
+        return self._root
+
+    @property
+    def root_der(self) -> bytes:
+        return self._root.der
+
+    def parse(self, der: bytes) -> ParsedCertificate:
+        """One chain certificate (DER only), parsed strictly; cached by its bytes."""
+        cached = self._parsed.get(der)
+        if cached is not None:
+            return cached
+        if der.lstrip()[:10] == b"-----BEGIN":
+            raise EvidenceFormatError("certificate_invalid", "chain certificates must be DER")
+        cert = parse_certificate(
+            der, max_size=self._max_size, allow_nonpositive_serial=self._allow_nonpositive_serial
+        )
+        self._parsed.put(der, cert)
+        return cert
+
+    def _check_link(self, child: ParsedCertificate, parent: ParsedCertificate) -> None:
+        if self._links.get((child.der, parent.der)) is not None:
+            return
+        constraints = parent.basic_constraints()
+        if constraints is None or not constraints.ca:
+            raise EvidenceVerificationError("chain_invalid", f"{parent.subject_text} is not a CA")
+        self._links_scheme.check(child, parent)
         self._links.put((child.der, parent.der), True)
 
-    def verify(self, chain: Sequence[bytes], now: datetime) -> VerifiedChain:
-        """Verify leaf-first ``chain`` (DER) to the pinned root at ``now``."""
-        key = tuple(chain)
+    def verify_links(self, chain: Sequence[bytes | ParsedCertificate]) -> VerifiedChain:
+        """Verify leaf-first ``chain`` (DER, or certificates already parsed strictly) to the
+        pinned root, without the validity check."""
+        key = tuple(c if isinstance(c, bytes) else c.der for c in chain)
         cached = self._chains.get(key)
         if cached is not None:
-            cached.check_time(now)
             return cached
-        if not 0 < len(key) <= MAX_CHAIN:
+        if not 0 < len(key) <= self._max_chain:
             raise EvidenceFormatError("certificate_invalid", f"chain has {len(key)} certificates")
-        ders = list(key)
-        if len(ders) > 1 and ders[-1] == self._root_der:
-            ders.pop()
-        certs = [self._parse(d) for d in ders]
+        root_der = self._root.der
+        items = list(chain)
+        if len(items) > 1 and key[-1] == root_der:
+            items.pop()
+        certs = [self.parse(c) if isinstance(c, bytes) else c for c in items]
         top = certs[-1]
-        if ders[-1] == self._root_der:
+        if top.der == root_der:
             pass  # a lone root as chain: the leaf is the root itself
         elif top.issuer != self._root.subject:
             raise EvidenceVerificationError(
@@ -405,13 +631,24 @@ class ChainVerifier:
                 raise EvidenceVerificationError("untrusted_root", exc.detail) from None
         for child, parent in itertools.pairwise(certs):
             self._check_link(child, parent)
-        everything = [*certs, self._root]
+        leaf_key = certs[0].public_key
+        if not isinstance(leaf_key, ec.EllipticCurvePublicKey) or not isinstance(
+            leaf_key.curve, self._leaf_curve
+        ):
+            raise EvidenceVerificationError(
+                "chain_invalid", f"{certs[0].subject_text}: key is not {self._leaf_curve.name}"
+            )
         verified = VerifiedChain(
-            leaf_key=self._key(certs[0]),
-            leaf=certs[0].cert,
-            not_before=max(c.not_before for c in everything),
-            not_after=min(c.not_after for c in everything),
+            certs=tuple(certs),
+            root=self._root,
+            leaf_key=leaf_key,
+            window=Window.intersection(Window.of(c) for c in [*certs, self._root]),
         )
         self._chains.put(key, verified)
+        return verified
+
+    def verify(self, chain: Sequence[bytes | ParsedCertificate], now: datetime) -> VerifiedChain:
+        """Verify leaf-first ``chain`` to the pinned root, valid at ``now``."""
+        verified = self.verify_links(chain)
         verified.check_time(now)
         return verified

@@ -31,7 +31,7 @@ from certs.collateral.intel_pcs import PcsCollateralSource, PcsResponse
 from certs.collateral.roots import bundled_roots
 from certs.errors import CollateralError
 from certs.evidence.claims import Tee
-from certs.evidence.intel_dcap import DcapVerifier
+from certs.evidence.dcap import DcapVerifier
 from certs.evidence.tdx import TdxVerifier
 from certs.issuance import AttestRequest
 from certs.policy import parse_policies

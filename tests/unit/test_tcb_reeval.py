@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 import tests.unit.evidence.dcap_fixtures as fx
 from certs.errors import EvidenceVerificationError
 from certs.evidence.claims import Claims, Tee
-from certs.evidence.intel_dcap import DcapVerifier
+from certs.evidence.dcap import DcapVerifier
 from certs.evidence.sev_snp import SevSnpVerifier, parse_amd_chain
 from certs.evidence.sgx_dcap import SgxVerifier
 from certs.evidence.tdx import TdxVerifier

@@ -30,7 +30,7 @@ from certs.collateral.roots import TrustRoots, bundled_roots
 from certs.errors import AttestmeshError, EvidenceFormatError, EvidenceVerificationError
 from certs.evidence import sim
 from certs.evidence.claims import Tee
-from certs.evidence.intel_dcap import parse_quote
+from certs.evidence.dcap import parse_quote
 from certs.evidence.nitro import parse_attestation_document
 from certs.evidence.nvidia_gpu import parse_measurement_report
 from certs.evidence.sev_snp import SIGNED_LEN

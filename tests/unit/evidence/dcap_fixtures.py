@@ -451,7 +451,7 @@ def flip(data: bytes, offset: int, mask: int = 0x01) -> bytes:
 
 def derived_negatives(quote: bytes) -> list[tuple[str, bytes, str]]:
     """(case, mutated quote, expected reason) for one real quote; layout from its header."""
-    from certs.evidence.intel_dcap import parse_quote
+    from certs.evidence.dcap import parse_quote
 
     parsed = parse_quote(quote)
     signed = len(parsed.signed)

@@ -2,7 +2,7 @@
 
 A single-bit flip scan over the certificates of every vector (all 8 bits of every byte: about
 115,000 verifications, 40 s) found foreign exceptions and warnings escaping from certificate
-handling in x509chain, intel_dcap and sev_snp, and flips that were accepted (the VCEK's unsigned
+handling in x509chain, dcap and sev_snp, and flips that were accepted (the VCEK's unsigned
 outer RSASSA-PSS parameters, the unused-bits byte of ECDSA signatures, SNP's reserved signature
 bytes). This file keeps that scan, sampled to stay fast: every certificate byte of every target
 is flipped at least once per two bytes (one bit, rotating), hypothesis draws further flips and
@@ -43,7 +43,7 @@ from certs.errors import (
     EvidenceVerificationError,
 )
 from certs.evidence.claims import Tee, Verifier
-from certs.evidence.intel_dcap import parse_quote
+from certs.evidence.dcap import parse_quote
 from certs.evidence.nitro import parse_attestation_document
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sev_snp import REPORT_SIZE, SIGNED_LEN, load_amd_certificate

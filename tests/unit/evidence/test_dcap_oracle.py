@@ -22,7 +22,7 @@ import pytest
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims
-from certs.evidence.intel_dcap import DcapVerifier, split_signed_response
+from certs.evidence.dcap import DcapVerifier, split_signed_response
 from certs.evidence.sgx_dcap import SgxVerifier
 from certs.evidence.sgx_dcap import claims_from as sgx_claims
 from certs.evidence.tdx import TdxVerifier

@@ -14,7 +14,7 @@ from certs.binding import binding_matches
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence import sgx_dcap, tdx
 from certs.evidence.claims import Tee
-from certs.evidence.intel_dcap import parse_quote
+from certs.evidence.dcap import parse_quote
 from certs.evidence.sgx_dcap import SgxVerifier
 from tests.unit.evidence import dcap_fixtures as fx
 from tests.vectors import pin

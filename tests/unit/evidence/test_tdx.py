@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Tee
-from certs.evidence.intel_dcap import (
+from certs.evidence.dcap import (
     TdReport,
     parse_collateral,
     parse_enclave_identity,
