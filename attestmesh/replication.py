@@ -1,33 +1,56 @@
-"""Several control-plane replicas on one PostgreSQL database: the leader and the shared CA.
+"""Several control-plane replicas on one PostgreSQL database: the leader, the shared CA and
+the one CRL set.
 
 ``PgReplication`` is the control plane's ``Replication``: ``is_leader`` from the session advisory
 lock (``xds.store_pg.Leadership``), ``ca_rotated`` stores the leader's rotation in the database
 for the others (``publish_ca``), ``load_ca`` reads the CA as stored now into this replica's CA
 directory and loads it (a follower, when its change feed says the CA changed).
+
+``CrlSigner`` is a ``CrlSource``: on the leader it signs the CRL set from the revocations as
+stored (those of every replica), at most once per ``settle_seconds`` however many revocations
+arrive, and stores it; on every other replica it only follows the stored one. Either way
+``deliver`` gets the CRL set to serve, and ``current()`` is the latest.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Collection
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any, Protocol
+
+import psycopg
 
 from certs.ca import CertificateAuthority
 from xds.state import MeshState, WorkloadState
 from xds.store_pg import (
+    CHANNEL,
+    CONNECT_TIMEOUT_SECONDS,
+    LIVENESS,
     ChangeFeed,
     Leadership,
     PostgresStore,
+    StoredCrl,
     download_ca,
+    last_revocation_change,
     publish_ca,
+    read_crl,
     read_rows,
+    redact_url,
+    revocations_at,
+    store_crl,
 )
+
+log = logging.getLogger(__name__)
 
 # a replica whose database has not answered for this long issues nothing and is not ready
 # (the change feed reads every 0.5 s while connected; the budget to stop issuing is 5 s)
 CONTACT_SECONDS = 3.0
 
-__all__ = ["PgReplication"]
+__all__ = ["CrlSigner", "CrlSource", "PgReplication"]
 
 
 class PgReplication:
@@ -82,3 +105,160 @@ class PgReplication:
     def load_ca(self) -> CertificateAuthority:
         download_ca(self.url, self.ca_dir)
         return self._load()
+
+
+class CrlSource(Protocol):
+    """Where a replica's CRL set comes from when several replicas share a database: one
+    leader signs it (covering revocations made on any replica) and every replica serves the
+    stored one. The control plane serves ``current()`` instead of signing its own (it signs
+    only while this is None: a database no leader has stored a CRL in yet) and republishes
+    what the source delivers."""
+
+    def current(self) -> bytes | None:
+        """The CRL set to serve now (PEM; None: none stored yet)."""
+        ...
+
+
+class CrlSigner:
+    """A thread per replica that keeps the one CRL set (see the module docstring).
+
+    It LISTENs on the change channel (every commit of every replica notifies it) and, after
+    each wake-up, waits ``settle_seconds`` so a burst of commits costs one step. A step on the
+    leader (``leadership.leading``) signs a new CRL set with ``ca()`` when a revocation was
+    committed after the stored one's ``covers_seq``, when the CA changed (rotation), when the
+    stored one is older than ``refresh`` (default: half of ``validity``) or when none is
+    stored, and stores it (``store_crl``: refused, and counted, unless the leader's election
+    connection holds the lock when it commits); a step on any other replica reads the stored
+    one if its number grew. Followers never sign. ``deliver(pem)`` is called on this thread
+    with every CRL set this replica should serve from now on."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        origin: str,
+        leadership: Leadership,
+        ca: Callable[[], CertificateAuthority],
+        deliver: Callable[[bytes], object],
+        clock: Callable[[], datetime],
+        validity: timedelta,
+        refresh: timedelta | None = None,
+        settle_seconds: float = 0.05,
+        poll_seconds: float = 0.5,
+        retry_seconds: float = 0.5,
+    ) -> None:
+        self.url = url
+        self.origin = origin
+        self._leadership = leadership
+        self._ca = ca
+        self._deliver = deliver
+        self._clock = clock
+        self.validity = validity
+        self.refresh = validity / 2 if refresh is None else refresh
+        self._settle = settle_seconds
+        self._poll = poll_seconds
+        self._retry = retry_seconds
+        self._closed = threading.Event()
+        self._first = threading.Event()
+        self._signed_with: CertificateAuthority | None = None
+        self.stored: StoredCrl | None = None  # the latest this replica serves
+        self.signed = 0  # CRL sets this replica signed (and stored)
+        self.refused = 0  # signed, but the database refused them (no longer the leader)
+        self.followed = 0  # CRL sets stored by another replica, read and delivered
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="attestmesh-crl", daemon=True)
+
+    def start(self) -> CrlSigner:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(10)
+
+    def current(self) -> bytes | None:
+        stored = self.stored
+        return None if stored is None else stored.pem
+
+    def wait_first(self, timeout: float) -> bool:
+        """Wait until this replica has a CRL set to serve (stored by a leader, maybe itself)."""
+        return self._first.wait(timeout)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(
+                    self.url,
+                    autocommit=True,
+                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                    application_name="attestmesh-crl",
+                    **LIVENESS,
+                ) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}".encode())
+                    while not self._closed.is_set():
+                        self.step(conn)
+                        woke = False
+                        for _ in conn.notifies(timeout=self._poll, stop_after=1):
+                            woke = True
+                        if woke:  # coalesce the burst: one step for all of it
+                            self._closed.wait(self._settle)
+                            for _ in conn.notifies(timeout=0):
+                                pass
+            except psycopg.Error as exc:
+                log.warning("CRL signer: %s: %s", redact_url(self.url), exc)
+                self._closed.wait(self._retry)
+
+    def step(self, conn: psycopg.Connection[Any]) -> None:
+        """Sign (the leader) or follow (everyone else), as the class docstring says."""
+        self.steps += 1
+        if self._leadership.leading:
+            self._lead(conn)
+        else:
+            self._follow(conn)
+
+    def _follow(self, conn: psycopg.Connection[Any]) -> None:
+        head = read_crl(conn, with_pem=False)
+        if head is None or (self.stored is not None and head.number <= self.stored.number):
+            return
+        got = read_crl(conn)
+        if got is not None:
+            self.followed += 1
+            self._serve(got)
+
+    def _lead(self, conn: psycopg.Connection[Any]) -> None:
+        stored = read_crl(conn, with_pem=False)
+        ca = self._ca()
+        now = self._clock()
+        due = (
+            stored is None
+            or ca is not self._signed_with
+            or now - stored.signed_at >= self.refresh
+            or last_revocation_change(conn, stored.covers_seq) > 0
+        )
+        if not due:
+            if self.stored is None or (stored is not None and stored.number > self.stored.number):
+                self._follow(conn)
+            return
+        revoked, seq = revocations_at(conn)
+        pem = ca.crl_pem(revoked, now, self.validity)
+        got = store_crl(
+            conn,
+            pem,
+            signed_at=now,
+            covers_seq=seq,
+            revoked=len(revoked),
+            origin=self.origin,
+            leader_pid=self._leadership.backend_pid,
+        )
+        if got is None:
+            self.refused += 1
+            log.warning("CRL set not stored: this replica no longer holds the leader lock")
+            return
+        self.signed += 1
+        self._signed_with = ca
+        self._serve(got)
+
+    def _serve(self, crl: StoredCrl) -> None:
+        self.stored = crl
+        self._first.set()
+        self._deliver(crl.pem)

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from attestmesh.demo import free_port
+
 _BIN_DIRS = (
     "/usr/lib/postgresql/15/bin",
     "/usr/lib/postgresql/16/bin",
@@ -38,12 +40,6 @@ def pg_bin() -> Path:
         "PostgreSQL server binaries not found: install Debian's postgresql "
         "(sudo apt-get install -y postgresql), as .ci/run does"
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -158,7 +154,7 @@ def pg_cluster() -> Iterator[PgCluster]:
     """initdb + start; yields the running cluster; stops it and removes the directory."""
     user = _owner()
     directory = Path(tempfile.mkdtemp(prefix="attestmesh-pg-"))
-    cluster = PgCluster(directory, _free_port(), user)
+    cluster = PgCluster(directory, free_port(), user)
     try:
         if os.geteuid() == 0:
             pw = pwd.getpwnam(user)

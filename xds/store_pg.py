@@ -31,6 +31,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,16 +69,21 @@ __all__ = [
     "Changes",
     "Leadership",
     "PostgresStore",
+    "StoredCrl",
     "download_ca",
     "follow",
     "is_postgres_url",
+    "last_revocation_change",
     "migrate_pg",
     "open_store",
     "pg_schema_version",
     "publish_ca",
+    "read_crl",
     "read_rows",
     "redact_url",
+    "revocations_at",
     "share_ca",
+    "store_crl",
 ]
 
 # pg_advisory_xact_lock key serialising schema migrations ("attestms" in ASCII)
@@ -144,6 +150,15 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         "no DDL: the version keeps older code, which would drop the field when it rewrites a "
         "row, from opening the database",
         (),
+    ),
+    Migration(
+        5,
+        "the CRL set the leader signs and every replica serves (one row: the latest)",
+        (
+            "CREATE TABLE crl (id integer PRIMARY KEY CHECK (id = 1), number bigint NOT NULL, "
+            "pem bytea NOT NULL, signed_at text NOT NULL, covers_seq bigint NOT NULL, "
+            "revoked integer NOT NULL, origin text NOT NULL)",
+        ),
     ),
 )
 PG_SCHEMA_VERSION = PG_MIGRATIONS[-1].version
@@ -698,6 +713,8 @@ class ChangeFeed:
                 continue
             if kind == "c":
                 ca = True
+            elif kind == "l":  # the leader stored a CRL set: its ``CrlSigner``s follow it
+                continue
             elif kind == "w":
                 workloads[key] = None if doc is None else workload_from_doc(loads(doc))
             elif workload is None:
@@ -827,6 +844,9 @@ class Leadership:
         self.is_leader = False
         self.confirmed_at = 0.0  # monotonic: the last time the database confirmed the lock
         self.changes = 0
+        # the server process of the connection holding the lock (0: none): writes only the
+        # leader may make check it holds the lock when they commit (``store_crl``)
+        self.backend_pid = 0
         self._thread = threading.Thread(target=self._run, name="attestmesh-leader", daemon=True)
 
     def start(self) -> Leadership:
@@ -874,6 +894,7 @@ class Leadership:
                                 "SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)
                             ).fetchone()
                             if got and got[0]:
+                                self.backend_pid = conn.info.backend_pid
                                 self.confirmed_at = time.monotonic()
                             self._set(bool(got and got[0]))
                         self._closed.wait(self._interval)
@@ -893,3 +914,98 @@ def read_rows(url: str, names: Sequence[str]) -> dict[str, WorkloadState | None]
             ).fetchall()
         )
     return {n: workload_from_doc(json.loads(docs[n])) if n in docs else None for n in names}
+
+
+# ---------------------------------------------------------------------------------------------
+# One CRL set, signed by the leader
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCrl:
+    """The CRL set as the leader stored it: ``number`` counts the CRLs stored in this
+    database (it only grows), ``covers_seq`` is the change number up to which every revocation
+    committed by any replica is in it, ``revoked`` how many serials it lists."""
+
+    number: int
+    pem: bytes
+    signed_at: datetime
+    covers_seq: int
+    revoked: int
+    origin: str
+
+
+def read_crl(conn: psycopg.Connection[Any], *, with_pem: bool = True) -> StoredCrl | None:
+    """The stored CRL set (None: the leader has not stored one yet); ``with_pem=False``: all
+    but the PEM (``pem`` empty), to check whether a new one was stored."""
+    if with_pem:
+        query = "SELECT number, pem, signed_at, covers_seq, revoked, origin FROM crl"
+    else:
+        query = "SELECT number, ''::bytea, signed_at, covers_seq, revoked, origin FROM crl"
+    row = conn.execute(query).fetchone()
+    if row is None:
+        return None
+    number, pem, signed_at, covers, revoked, origin = row
+    return StoredCrl(
+        int(number), bytes(pem), _from_iso(signed_at), int(covers), int(revoked), origin
+    )
+
+
+def revocations_at(conn: psycopg.Connection[Any]) -> tuple[list[tuple[int, datetime]], int]:
+    """Every stored revocation (serial, revoked at) and the change number the read includes,
+    in one snapshot: a CRL signed from it covers every revocation committed up to that
+    number, by any replica."""
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        rows = conn.execute("SELECT serial, revoked_at FROM revocations ORDER BY serial").fetchall()
+        got = conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()
+    return [(int(s), _from_iso(at)) for s, at in rows], int(got[0]) if got else 0
+
+
+def last_revocation_change(conn: psycopg.Connection[Any], after: int) -> int:
+    """The number of the last revocation change (revoked or unrevoked) after ``after``; 0 if
+    none (a range scan of the change log from ``after``)."""
+    got = conn.execute(
+        "SELECT coalesce(max(seq), 0) FROM changes WHERE seq > %s AND kind = 'r'", (after,)
+    ).fetchone()
+    return int(got[0]) if got else 0
+
+
+def store_crl(
+    conn: psycopg.Connection[Any],
+    pem: bytes,
+    *,
+    signed_at: datetime,
+    covers_seq: int,
+    revoked: int,
+    origin: str,
+    leader_pid: int,
+) -> StoredCrl | None:
+    """Store the leader's CRL set and tell the other replicas (a change of kind ``l``), in one
+    transaction, only if the server process ``leader_pid`` (the leader's election connection)
+    holds the leader lock when it commits, and the stored CRL covers no more than this one
+    (a deposed leader's late write never replaces its successor's). None: refused."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGES_LOCK,))
+        held = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND pid = %s AND objsubid = 1 AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND ((classid::bigint << 32) | objid::bigint) = %s)",
+            (leader_pid, LEADER_LOCK),
+        ).fetchone()
+        if not held or not held[0]:
+            return None
+        got = conn.execute(
+            "INSERT INTO crl(id, number, pem, signed_at, covers_seq, revoked, origin) "
+            "VALUES (1, 1, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+            "number = crl.number + 1, pem = EXCLUDED.pem, signed_at = EXCLUDED.signed_at, "
+            "covers_seq = EXCLUDED.covers_seq, revoked = EXCLUDED.revoked, "
+            "origin = EXCLUDED.origin WHERE crl.covers_seq <= EXCLUDED.covers_seq "
+            "RETURNING number",
+            (pem, signed_at.isoformat(), covers_seq, revoked, origin),
+        ).fetchone()
+        if got is None:
+            return None
+        conn.execute("INSERT INTO changes(kind, key, origin) VALUES ('l', 'crl', %s)", (origin,))
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"crl {origin}"))
+    return StoredCrl(int(got[0]), pem, signed_at, covers_seq, revoked, origin)

@@ -6,10 +6,7 @@ quarantine holds on every survivor, and the dead replica's share of the load mov
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,51 +14,17 @@ from pathlib import Path
 import aiohttp
 import psycopg
 import pytest
-import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.demo import GOOD, NAMES, free_port, join_token, write_config
+from attestmesh.demo import GOOD
 from attestmesh.serve import ControlPlaneSettings
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from tests.component.test_agent import RecordingSink
+from tests.pg.processes import healthy, start, stop_all, write_mesh
 
 pytestmark = pytest.mark.integration
 
 WORKLOADS = 12
 AFTER_KILL_S = 5.0
-
-
-def start(s: ControlPlaneSettings, log: Path, url: str) -> subprocess.Popen[bytes]:
-    args = [
-        sys.executable, "-m", "attestmesh.cli", "controlplane",
-        "--state-dir", str(s.state_dir), "--policy", str(s.policy_file),
-        "--workloads", str(s.registrations_file),
-        "--api-port", str(s.api_port), "--xds-port", str(s.xds_port),
-        "--ops-port", str(s.ops_port), "--sim-platform-key", str(s.sim_platform_keys[0]),
-        "--attest-burst", "1000",
-    ]  # fmt: skip
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=out,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "ATTESTMESH_STORE": url},
-        )
-
-
-async def healthy(s: ControlPlaneSettings, proc: subprocess.Popen[bytes], log: Path) -> None:
-    async with asyncio.timeout(40), aiohttp.ClientSession() as session:
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                async with session.get(f"http://127.0.0.1:{s.ops_port}/readyz") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
 
 
 def quarantine_cli(s: ControlPlaneSettings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -75,45 +38,10 @@ def quarantine_cli(s: ControlPlaneSettings, *args: str) -> subprocess.CompletedP
 async def test_kill_9_of_one_of_three_replicas_under_attestation_load(
     tmp_path: Path, pg_url: str
 ) -> None:
-    platform = ec.generate_private_key(ec.SECP256R1())
-    pub = tmp_path / "sim.pub.pem"
-    pub.write_bytes(
-        platform.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
-    base = write_config(tmp_path, ports, pub, {n: join_token(n) for n in NAMES})
     names = [f"w-{i:02d}" for i in range(WORKLOADS)]
-    tokens = {n: join_token(n) for n in names}
-    (tmp_path / "workloads.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "workloads": [
-                    {
-                        "name": n,
-                        "namespace": "default",
-                        "serviceAccount": "frontend",
-                        "inbound": f"127.0.0.1:{20000 + i}",
-                        "appPort": 21000 + i,
-                        "outbound": {},
-                        "tokenSha256": hashlib.sha256(tokens[n].encode()).hexdigest(),
-                    }
-                    for i, n in enumerate(names)
-                ]
-            }
-        )
-    )
-    replicas = [
-        dataclasses.replace(
-            base,
-            state_dir=tmp_path / f"state-{k}",
-            api_port=free_port(),
-            xds_port=free_port(),
-            ops_port=free_port(),
-        )
-        for k in range(3)
-    ]
+    mesh = write_mesh(tmp_path, names)
+    platform, tokens = mesh.platform, mesh.tokens
+    replicas = [mesh.replica(k) for k in range(3)]
     logs = [tmp_path / f"cp-{k}.log" for k in range(3)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -184,7 +112,4 @@ async def test_kill_9_of_one_of_three_replicas_under_attestation_load(
             ).fetchone()  # type: ignore[misc]
         assert json.loads(doc)["status"] == "quarantined"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+        stop_all(procs)

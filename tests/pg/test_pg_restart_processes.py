@@ -5,20 +5,17 @@ every certificate an agent was given is durable; attestations succeed again at b
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from pathlib import Path
 
 import aiohttp
 import psycopg
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.demo import GOOD, NAMES, free_port, join_token, write_config
+from attestmesh.demo import GOOD
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from tests.component.test_agent import RecordingSink
-from tests.pg.test_kill_replica import healthy, start
+from tests.pg.processes import healthy, start, stop_all, write_mesh
 from tests.pg_harness import PgCluster
 
 pytestmark = pytest.mark.integration
@@ -27,20 +24,9 @@ pytestmark = pytest.mark.integration
 async def test_a_postgresql_restart_under_load_with_real_replicas(
     tmp_path: Path, pg: PgCluster, pg_url: str
 ) -> None:
-    platform = ec.generate_private_key(ec.SECP256R1())
-    pub = tmp_path / "sim.pub.pem"
-    pub.write_bytes(
-        platform.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
-    tokens = {n: join_token(n) for n in NAMES}
-    a = write_config(tmp_path, ports, pub, tokens)
-    b = dataclasses.replace(
-        a, state_dir=tmp_path / "state-b", api_port=free_port(), xds_port=free_port(),
-        ops_port=free_port(),
-    )  # fmt: skip
+    mesh = write_mesh(tmp_path)
+    platform, tokens = mesh.platform, mesh.tokens
+    a, b = mesh.base, mesh.replica(1)
     procs = []
     try:
         procs.append(start(a, tmp_path / "a.log", pg_url))
@@ -97,7 +83,4 @@ async def test_a_postgresql_restart_under_load_with_real_replicas(
         lost = [g for g in given if g not in live and g[1] not in revoked]
         assert lost == [], lost
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+        stop_all(procs)
