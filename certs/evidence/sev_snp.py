@@ -46,7 +46,7 @@ import enum
 import hashlib
 import hmac
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
@@ -54,14 +54,22 @@ from typing import Final
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from certs.errors import EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Claims, Collateral, Detail, Tee, evidence_digest
 from certs.evidence.x509chain import (
+    TAG_IA5_STRING,
+    TAG_INTEGER,
+    TAG_OCTET_STRING,
+    ChainVerifier,
     Lru,
     ParsedCertificate,
+    RsaPssLinks,
+    common_name,
+    der_single,
+    der_uint,
     parse_certificate,
     parse_certificates,
 )
@@ -118,7 +126,9 @@ _OID_UCODE_SPL: Final = "1.3.6.1.4.1.3704.1.3.8"
 _OID_FMC_SPL: Final = "1.3.6.1.4.1.3704.1.3.9"
 _OID_HWID: Final = "1.3.6.1.4.1.3704.1.4"
 
-_PSS: Final = padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=48)
+_AMD_LINKS: Final = RsaPssLinks(hash_algorithm=hashes.SHA384, salt_length=48)
+"""AMD's chain links: RSASSA-PSS, SHA-384, MGF1-SHA-384, salt 48 (fixed, not read from the
+certificate)."""
 _MAX_CERT: Final = 16 * 1024
 _CACHE_SIZE: Final = 256
 
@@ -411,33 +421,32 @@ def _ext_raw(cert: x509.Certificate, oid: str) -> bytes | None:
     return value.value if isinstance(value, x509.UnrecognizedExtension) else None
 
 
-def _der_uint(raw: bytes | None) -> int | None:
-    """Decode a small DER INTEGER (tag 2, short length) as a non-negative int."""
-    if raw is None or len(raw) < 3 or raw[0] != 0x02 or raw[1] != len(raw) - 2 or raw[1] > 8:
-        return None
-    value = int.from_bytes(raw[2:], "big", signed=True)
-    return value if value >= 0 else None
-
-
-def _der_ia5(raw: bytes | None) -> str | None:
-    if raw is None or len(raw) < 2 or raw[0] != 0x16 or raw[1] != len(raw) - 2 or raw[1] > 127:
+def _spl(raw: bytes | None) -> int | None:
+    """A TCB SPL extension: one DER INTEGER, non-negative, at most 8 bytes (None otherwise)."""
+    if raw is None:
         return None
     try:
-        return raw[2:].decode("ascii")
-    except UnicodeDecodeError:
+        return der_uint(der_single(raw, TAG_INTEGER), max_len=8)
+    except ValueError:
+        return None
+
+
+def _ia5(raw: bytes | None) -> str | None:
+    """The productName extension: one DER IA5String (None otherwise)."""
+    if raw is None:
+        return None
+    try:
+        return der_single(raw, TAG_IA5_STRING).decode("ascii")
+    except (ValueError, UnicodeDecodeError):
         return None
 
 
 def _unwrap_octets(raw: bytes) -> bytes:
-    if len(raw) >= 2 and raw[0] == 0x04 and raw[1] == len(raw) - 2:
-        return raw[2:]
-    return raw
-
-
-def _cn(name: x509.Name) -> str:
-    attrs = name.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
-    value = attrs[0].value if attrs else ""
-    return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    """The hwID extension: an OCTET STRING's content, or the raw value as AMD also issues it."""
+    try:
+        return der_single(raw, TAG_OCTET_STRING)
+    except ValueError:
+        return raw
 
 
 def _product_of_name(text: str | None) -> Product | None:
@@ -453,7 +462,7 @@ def _product_of_name(text: str | None) -> Product | None:
 def product_of_certificate(data: bytes) -> Product | None:
     """The product a VCEK/VLEK names in its productName extension (None: absent/unknown)."""
     cert = load_amd_certificate(data)
-    return _product_of_name(_der_ia5(_ext_raw(cert, _OID_PRODUCT_NAME)))
+    return _product_of_name(_ia5(_ext_raw(cert, _OID_PRODUCT_NAME)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,6 +475,8 @@ class AmdChain:
     intermediate: x509.Certificate
     ark_der: bytes
     intermediate_der: bytes
+    ark_parsed: ParsedCertificate
+    intermediate_parsed: ParsedCertificate
 
 
 def parse_amd_chain(pem: bytes) -> AmdChain:
@@ -478,7 +489,7 @@ def parse_amd_chain(pem: bytes) -> AmdChain:
     if len(parsed) != 2:
         raise EvidenceFormatError("certificate_invalid", f"cert_chain has {len(parsed)} certs")
     inter, ark = (c.cert for c in parsed)
-    ark_cn, inter_cn = _cn(ark.subject), _cn(inter.subject)
+    ark_cn, inter_cn = common_name(ark.subject), common_name(inter.subject)
     product = _product_of_name(ark_cn.removeprefix("ARK-"))
     if not ark_cn.startswith("ARK-") or product is None:
         raise EvidenceFormatError("certificate_invalid", f"not an AMD ARK: {ark_cn!r}")
@@ -495,6 +506,8 @@ def parse_amd_chain(pem: bytes) -> AmdChain:
         intermediate=inter,
         ark_der=parsed[1].der,
         intermediate_der=parsed[0].der,
+        ark_parsed=parsed[1],
+        intermediate_parsed=parsed[0],
     )
 
 
@@ -504,6 +517,7 @@ class _Endorsement:
 
     cert: x509.Certificate
     der: bytes
+    parsed: ParsedCertificate
     key: SigningKey
     public_key: ec.EllipticCurvePublicKey
     product: Product | None
@@ -516,7 +530,7 @@ class _Endorsement:
 def _parse_endorsement(data: bytes) -> _Endorsement:
     parsed = _parse_amd_certificate(data)
     cert = parsed.cert
-    cn = _cn(parsed.subject)
+    cn = common_name(parsed.subject)
     if cn == "SEV-VCEK":
         key = SigningKey.VCEK
     elif cn == "SEV-VLEK":
@@ -532,74 +546,33 @@ def _parse_endorsement(data: bytes) -> _Endorsement:
     return _Endorsement(
         cert=cert,
         der=parsed.der,
+        parsed=parsed,
         key=key,
         public_key=public_key,
-        product=_product_of_name(_der_ia5(_ext_raw(cert, _OID_PRODUCT_NAME))),
+        product=_product_of_name(_ia5(_ext_raw(cert, _OID_PRODUCT_NAME))),
         spl={
-            "bootloader": _der_uint(_ext_raw(cert, _OID_BL_SPL)),
-            "tee": _der_uint(_ext_raw(cert, _OID_TEE_SPL)),
-            "snp": _der_uint(_ext_raw(cert, _OID_SNP_SPL)),
-            "microcode": _der_uint(_ext_raw(cert, _OID_UCODE_SPL)),
-            "fmc": _der_uint(_ext_raw(cert, _OID_FMC_SPL)),
+            "bootloader": _spl(_ext_raw(cert, _OID_BL_SPL)),
+            "tee": _spl(_ext_raw(cert, _OID_TEE_SPL)),
+            "snp": _spl(_ext_raw(cert, _OID_SNP_SPL)),
+            "microcode": _spl(_ext_raw(cert, _OID_UCODE_SPL)),
+            "fmc": _spl(_ext_raw(cert, _OID_FMC_SPL)),
         },
         hwid=_unwrap_octets(hwid) if hwid is not None else None,
         serial=parsed.serial_number,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Window:
-    """Intersection of the validity periods of a verified chain's certificates."""
-
-    not_before: datetime
-    not_before_subject: str
-    not_after: datetime
-    not_after_subject: str
-
-
-def _verify_pss(issuer: x509.Certificate, subject: x509.Certificate, what: str) -> None:
-    """``subject`` <- ``issuer`` with RSASSA-PSS, SHA-384, MGF1-SHA-384, salt 48 (fixed here, not
-    read from the certificate). Certificates come from the strict parser, which also requires the
-    unsigned outer signatureAlgorithm (with its PSS parameters) to equal the signed one."""
-    if subject.issuer != issuer.subject:
-        raise EvidenceVerificationError(
-            "chain_invalid", f"{what}: issuer {_cn(subject.issuer)!r} != {_cn(issuer.subject)!r}"
-        )
-    key = issuer.public_key()
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise EvidenceVerificationError("chain_invalid", f"{what}: issuer key is not RSA")
-    algo = subject.signature_hash_algorithm
-    if subject.signature_algorithm_oid != x509.SignatureAlgorithmOID.RSASSA_PSS or not isinstance(
-        algo, hashes.SHA384
-    ):
-        raise EvidenceVerificationError("chain_invalid", f"{what}: not RSASSA-PSS/SHA-384")
-    try:
-        key.verify(subject.signature, subject.tbs_certificate_bytes, _PSS, hashes.SHA384())
-    except InvalidSignature:
-        raise EvidenceVerificationError("chain_invalid", f"{what}: bad signature") from None
-
-
-def _window(certs: Sequence[x509.Certificate]) -> _Window:
-    start = max(certs, key=lambda c: c.not_valid_before_utc)
-    end = min(certs, key=lambda c: c.not_valid_after_utc)
-    return _Window(
-        start.not_valid_before_utc, _cn(start.subject), end.not_valid_after_utc, _cn(end.subject)
+def _chain_verifier(ark: ParsedCertificate) -> ChainVerifier:
+    """The shared chain verifier for one pinned ARK (its self-signature checked here, once)."""
+    return ChainVerifier(
+        ark,
+        links=_AMD_LINKS,
+        leaf_curve=ec.SECP384R1,
+        max_cert_size=_MAX_CERT,
+        allow_nonpositive_serial=True,
+        self_signed_root=True,
+        cache_size=_CACHE_SIZE,
     )
-
-
-def _check_window(window: _Window, now: datetime) -> None:
-    if now.tzinfo is None:
-        raise ValueError("now must be an aware datetime")
-    if now < window.not_before:
-        raise EvidenceVerificationError(
-            "certificate_not_yet_valid",
-            f"{window.not_before_subject} not valid before {window.not_before.isoformat()}",
-        )
-    if now > window.not_after:
-        raise EvidenceVerificationError(
-            "certificate_expired",
-            f"{window.not_after_subject} expired at {window.not_after.isoformat()}",
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,16 +592,15 @@ class SevSnpVerifier:
         if not parsed:
             raise ValueError("at least one pinned AMD chain is required")
         self._chains: dict[tuple[Product, SigningKey], AmdChain] = {}
-        self._roots: dict[bytes, Product] = {}
+        self._roots: dict[bytes, ChainVerifier] = {}
         for chain in parsed:
             # Pinned material is checked once, at construction (time-independent parts).
-            _verify_pss(chain.ark, chain.ark, f"ARK-{chain.product}")
-            _verify_pss(chain.ark, chain.intermediate, f"{_cn(chain.intermediate.subject)}")
+            verifier = self._roots.get(chain.ark_der) or _chain_verifier(chain.ark_parsed)
+            verifier.verify_issuers([chain.intermediate_parsed])
             self._chains[(chain.product, chain.key)] = chain
-            self._roots[chain.ark_der] = chain.product
+            self._roots[chain.ark_der] = verifier
         self._endorsements: Lru[bytes, _Endorsement] = Lru(_CACHE_SIZE)
         self._overrides: Lru[bytes, AmdChain] = Lru(16)
-        self._links: Lru[tuple[bytes, bytes, bytes], _Window] = Lru(_CACHE_SIZE)
 
     @property
     def tee(self) -> Tee:
@@ -672,7 +644,7 @@ class SevSnpVerifier:
                     raise EvidenceVerificationError(
                         "untrusted_root", f"ARK-{chain.product} in cert_chain is not pinned"
                     )
-                _verify_pss(chain.ark, chain.intermediate, _cn(chain.intermediate.subject))
+                self._roots[chain.ark_der].verify_issuers([chain.intermediate_parsed])
                 self._overrides.put(override, chain)
             if chain.product is not product or chain.key is not key:
                 raise EvidenceVerificationError(
@@ -696,7 +668,7 @@ class SevSnpVerifier:
         product = from_cpu or leaf.product
         if product is None:
             # Fall back to the issuer named in the certificate (e.g. CN=SEV-Milan).
-            issuer = _cn(leaf.cert.issuer)
+            issuer = common_name(leaf.cert.issuer)
             product = _product_of_name(issuer.removeprefix("SEV-").removeprefix("VLEK-"))
         if product is None:
             raise EvidenceVerificationError("chain_invalid", "cannot tell the AMD product")
@@ -710,13 +682,7 @@ class SevSnpVerifier:
         product = self._product(report, leaf)
         chain = self._chain(product, report.signing_key, collateral)
 
-        link_key = (leaf.der, chain.intermediate_der, chain.ark_der)
-        window = self._links.get(link_key)
-        if window is None:
-            _verify_pss(chain.intermediate, leaf.cert, str(leaf.key).upper())
-            window = _window((chain.ark, chain.intermediate, leaf.cert))
-            self._links.put(link_key, window)
-        _check_window(window, now)
+        self._roots[chain.ark_der].verify([leaf.parsed, chain.intermediate_parsed], now)
 
         tcb = decode_tcb(report.reported_tcb, product)
         # The signature comes first: fields of a report that does not verify mean nothing.

@@ -530,6 +530,10 @@ class VerifiedChain:
         check_window(self.window, now, kind="certificate")
 
 
+def _der_of(cert: bytes | ParsedCertificate) -> bytes:
+    return cert if isinstance(cert, bytes) else cert.der
+
+
 class ChainVerifier:
     """Verifies leaf-first chains to one pinned root: the one chain verifier of the project.
 
@@ -602,18 +606,13 @@ class ChainVerifier:
         self._links_scheme.check(child, parent)
         self._links.put((child.der, parent.der), True)
 
-    def verify_links(self, chain: Sequence[bytes | ParsedCertificate]) -> VerifiedChain:
-        """Verify leaf-first ``chain`` (DER, or certificates already parsed strictly) to the
-        pinned root, without the validity check."""
-        key = tuple(c if isinstance(c, bytes) else c.der for c in chain)
-        cached = self._chains.get(key)
-        if cached is not None:
-            return cached
-        if not 0 < len(key) <= self._max_chain:
-            raise EvidenceFormatError("certificate_invalid", f"chain has {len(key)} certificates")
+    def _path(self, chain: Sequence[bytes | ParsedCertificate]) -> list[ParsedCertificate]:
+        """Parse ``chain`` (a trailing copy of the root dropped) and verify every link."""
+        if not 0 < len(chain) <= self._max_chain:
+            raise EvidenceFormatError("certificate_invalid", f"chain has {len(chain)} certificates")
         root_der = self._root.der
         items = list(chain)
-        if len(items) > 1 and key[-1] == root_der:
+        if len(items) > 1 and _der_of(items[-1]) == root_der:
             items.pop()
         certs = [self.parse(c) if isinstance(c, bytes) else c for c in items]
         top = certs[-1]
@@ -631,6 +630,21 @@ class ChainVerifier:
                 raise EvidenceVerificationError("untrusted_root", exc.detail) from None
         for child, parent in itertools.pairwise(certs):
             self._check_link(child, parent)
+        return certs
+
+    def verify_issuers(self, chain: Sequence[bytes | ParsedCertificate]) -> None:
+        """Verify CA certificates (leaf-first, e.g. a pinned intermediate) to the root: the links
+        only, no signing key, no time; verified links are cached for later ``verify`` calls."""
+        self._path(chain)
+
+    def verify_links(self, chain: Sequence[bytes | ParsedCertificate]) -> VerifiedChain:
+        """Verify leaf-first ``chain`` (DER, or certificates already parsed strictly) to the
+        pinned root, without the validity check."""
+        key = tuple(_der_of(c) for c in chain)
+        cached = self._chains.get(key)
+        if cached is not None:
+            return cached
+        certs = self._path(chain)
         leaf_key = certs[0].public_key
         if not isinstance(leaf_key, ec.EllipticCurvePublicKey) or not isinstance(
             leaf_key.curve, self._leaf_curve

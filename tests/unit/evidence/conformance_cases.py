@@ -211,6 +211,7 @@ def _forged_amd_chain(like: bytes) -> bytes:
             .serial_number(x509.random_serial_number())
             .not_valid_before(datetime(2000, 1, 1, tzinfo=UTC))
             .not_valid_after(datetime(2100, 1, 1, tzinfo=UTC))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(ark_key, hashes.SHA384(), rsa_padding=pss)
         )
 

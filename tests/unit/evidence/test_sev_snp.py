@@ -609,6 +609,10 @@ class _Amd:
             .not_valid_before(self.START)
             .not_valid_after(self.START + timedelta(days=3650))
         )
+        if extensions is None:  # ARK and ASK are CAs, as AMD's are
+            builder = builder.add_extension(
+                x509.BasicConstraints(ca=True, path_length=None), critical=True
+            )
         for oid, value in (extensions or {}).items():
             builder = builder.add_extension(
                 x509.UnrecognizedExtension(x509.ObjectIdentifier(oid), value), critical=False
@@ -785,20 +789,21 @@ def test_warm_verification_reuses_verified_links(monkeypatch: pytest.MonkeyPatch
     """Cold: one RSA-PSS link check (VCEK <- ASK; ARK and ASK were checked at construction)
     and one certificate parse. Warm: neither, only the report's ECDSA signature."""
     import certs.evidence.sev_snp as mod
+    from certs.evidence.x509chain import ParsedCertificate, RsaPssLinks
 
     v = SevSnpVerifier([MILAN])
     calls = {"pss": 0, "parse": 0}
-    real_pss, real_parse = mod._verify_pss, mod._parse_endorsement
+    real_pss, real_parse = RsaPssLinks.check, mod._parse_endorsement
 
-    def pss(*args: object) -> None:
+    def pss(self: RsaPssLinks, child: ParsedCertificate, parent: ParsedCertificate) -> None:
         calls["pss"] += 1
-        real_pss(*args)  # type: ignore[arg-type]
+        real_pss(self, child, parent)
 
     def parse(data: bytes) -> object:
         calls["parse"] += 1
         return real_parse(data)
 
-    monkeypatch.setattr(mod, "_verify_pss", pss)
+    monkeypatch.setattr(RsaPssLinks, "check", pss)
     monkeypatch.setattr(mod, "_parse_endorsement", parse)
     _verify(v, GOSEV)
     assert calls == {"pss": 1, "parse": 1}
