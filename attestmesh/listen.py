@@ -54,6 +54,7 @@ __all__ = [
     "connection_totals",
     "start_aiohttp",
     "start_grpc",
+    "start_h2",
 ]
 
 
@@ -67,6 +68,9 @@ class CloseReason(enum.StrEnum):
     BODY_TIMEOUT = "body_timeout"
     IDLE_TIMEOUT = "idle_timeout"
     WRITE_TIMEOUT = "write_timeout"
+    PROTOCOL_ERROR = "protocol_error"  # HTTP/2 connection error (bad preface, frame, window...)
+    FLOOD = "flood"  # HTTP/2 control frames or refused streams without application data
+    INVALID_REQUEST = "invalid_request"  # a stream refused: not gRPC, bad message or timeout
 
 
 OnRefused = Callable[[str, CloseReason], None]
@@ -722,6 +726,69 @@ async def start_grpc(
     server._server = srv
     server._server_closed_fut = loop.create_future()
     return Listener(srv, lst)
+
+
+# -- our own HTTP/2 (xds.adsconn) -------------------------------------------------------------
+
+
+class H2Service(Protocol):
+    """What ``start_h2`` serves (``xds.adsconn.LeanAds``)."""
+
+    def configure(
+        self,
+        *,
+        max_streams: int,
+        max_header_list_size: int,
+        window: int,
+        first_message_timeout: float,
+    ) -> None: ...
+
+    def protocol(self, report: Callable[[str], None] | None) -> asyncio.Protocol: ...
+
+    def serving(self, server: asyncio.Server) -> None: ...
+
+
+def _lean_h2_phase(app: Any, received: bool) -> tuple[_Phase, object]:
+    """Idle while no stream is open (``listen_phase``: (busy, key))."""
+    busy, key = app.listen_phase()
+    return (_Phase.BUSY if busy else _Phase.IDLE), key
+
+
+async def start_h2(
+    service: H2Service,
+    host: str,
+    port: int,
+    *,
+    ssl: _ssl.SSLContext | None,
+    limits: ListenLimits,
+    name: str = "xds",
+    on_refused: OnRefused | None = None,
+) -> Listener:
+    """Serve ``service`` (its own HTTP/2, e.g. ``xds.adsconn.LeanAds``) on a hardened
+    listener. The service's ``close()`` / ``wait_closed()`` stop it."""
+    service.configure(
+        max_streams=limits.max_streams_per_connection,
+        max_header_list_size=limits.max_header_list_size,
+        window=limits.http2_window,
+        first_message_timeout=limits.header_timeout,
+    )
+
+    def report(reason: str) -> None:
+        lst.report(_REASONS.get(reason, CloseReason.PROTOCOL_ERROR))
+
+    loop = asyncio.get_running_loop()
+    lst = _Listener(name, limits, ssl, lambda: service.protocol(report), _lean_h2_phase, on_refused)
+    srv = await loop.create_server(lst, host, port, backlog=limits.backlog)
+    service.serving(srv)
+    return Listener(srv, lst)
+
+
+_REASONS = {
+    "protocol_error": CloseReason.PROTOCOL_ERROR,
+    "flood": CloseReason.FLOOD,
+    "invalid_request": CloseReason.INVALID_REQUEST,
+    "header_timeout": CloseReason.HEADER_TIMEOUT,
+}
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""ADS over grpclib, state-of-the-world and incremental (delta): snapshots from the cache to
-each Envoy's stream.
+"""ADS, state-of-the-world and incremental (delta): snapshots from the cache to each Envoy's
+stream.
 
 The protocol logic lives in :class:`AdsSession` (SotW) and :class:`DeltaSession` (delta); both
 take requests in and give encoded responses out, with no I/O, so they are tested with plain
-values. :class:`AdsServer` serves both RPCs from one cache and one ``authorize`` callback and
-only moves bytes between a grpclib stream, a session and the cache's watch.
+values. :class:`AdsServer` holds what both RPCs are served from (one cache, one ``authorize``
+callback, the metrics) and is the grpclib service (the fallback transport); the control plane
+serves it through :mod:`xds.adsconn`, a lean HTTP/2 transport of our own (:mod:`xds.h2conn`),
+which only moves bytes between the connection, a session and the cache's watch.
 
 Rules, each learnt from a real Envoy (see ENVOY-NOTES):
 
@@ -462,6 +464,22 @@ class AdsServer:
         self._authorize = authorize
         self.versions: VersionOf = versions or resource_version
 
+    @property
+    def cache(self) -> SnapshotCache:
+        return self._cache
+
+    @property
+    def metrics(self) -> XdsMetrics:
+        return self._metrics
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
+    @property
+    def authorize(self) -> Authorize | None:
+        return self._authorize
+
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
             f"/{ADS_SERVICE}/StreamAggregatedResources": grpclib.const.Handler(
@@ -504,11 +522,9 @@ class AdsServer:
     def _still_allowed(self, stream: grpclib.server.Stream[Any, Any]) -> StillAllowed | None:
         """Re-checked whenever the stream's configuration changes: a certificate revoked since
         the stream opened (its workload quarantined) ends the stream."""
-        authorize = self._authorize
-        if authorize is None:
+        if self._authorize is None:
             return None
-        peer = peer_identity(stream.peer.cert())
-        return lambda node: authorize(node, peer)
+        return still_allowed_for(self._authorize, peer_identity(stream.peer.cert()))
 
     async def stream_aggregated_resources(
         self, stream: grpclib.server.Stream[DiscoveryRequest, pb.Encoded]
@@ -551,6 +567,13 @@ StillAllowed = Callable[[str], bool]
 
 _Request = DiscoveryRequest | DeltaDiscoveryRequest
 _Req = TypeVar("_Req", DiscoveryRequest, DeltaDiscoveryRequest)
+
+
+def still_allowed_for(authorize: Authorize | None, peer: PeerIdentity) -> StillAllowed | None:
+    """The re-check of a stream whose client presented ``peer`` (None: nothing to check)."""
+    if authorize is None:
+        return None
+    return lambda node: authorize(node, peer)
 
 
 def peer_uri_sans(cert: Mapping[str, Any] | None) -> tuple[str, ...]:
@@ -724,20 +747,37 @@ def warm() -> None:
     )
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
 async def start_ads(
     cache: SnapshotCache,
     host: str,
     port: int,
     metrics: XdsMetrics | None = None,
-) -> tuple[grpclib.server.Server, AdsServer]:
-    """Cache betterproto2 validators (xds.pb), warm the message classes, then listen. The
-    caller closes the server (``server.close(); await server.wait_closed()``)."""
+    transport: str = "lean",
+) -> tuple[Closable, AdsServer]:
+    """Cache betterproto2 validators (xds.pb), warm the message classes, then listen on plain
+    TCP: ``transport`` "lean" (:mod:`xds.adsconn`, what the control plane serves) or "grpclib"
+    (the fallback). The caller closes the server (``server.close(); await
+    server.wait_closed()``)."""
     pb.install_validator_cache()
     warm()
     ads = AdsServer(cache, metrics)
-    server = grpclib.server.Server([ads])
-    await server.start(host, port)
-    return server, ads
+    if transport == "grpclib":
+        server = grpclib.server.Server([ads])
+        await server.start(host, port)
+        return server, ads
+    if transport != "lean":
+        raise ValueError(f"unknown ADS transport {transport!r}")
+    from xds.adsconn import LeanAds  # it imports this module
+
+    lean = LeanAds(ads)
+    await lean.start(host, port)
+    return lean, ads
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The ADS server over real in-memory HTTP/2 gRPC (grpclib ChannelFor) with a fake Envoy that
+"""The ADS server over real HTTP/2 gRPC (both transports: ads_transport) with a fake Envoy that
 asserts protocol invariants on every response: type URL, fresh nonce, version, resource types."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import grpclib.const
 import pytest
 from grpclib.client import Stream
 from grpclib.exceptions import GRPCError
-from grpclib.testing import ChannelFor
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
+from tests.component.ads_transport import TRANSPORT, TRANSPORTS, ads_channel
 from tests.unit.xds.meshfixture import NOW, TRUST, allow, two_workloads
 from xds.build import Packer, Snapshot, TrustMaterial, build_snapshot
 from xds.cache import SnapshotCache
@@ -93,7 +93,7 @@ async def envoy(
     cache: SnapshotCache, metrics: Metrics, node: str = "frontend"
 ) -> AsyncIterator[FakeEnvoy]:
     async with (
-        ChannelFor([AdsServer(cache, metrics)]) as channel,
+        ads_channel(AdsServer(cache, metrics)) as channel,
         channel.request(
             METHOD, grpclib.const.Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
         ) as stream,
@@ -105,6 +105,11 @@ async def envoy(
 @pytest.fixture(scope="module", autouse=True)
 def _warm() -> None:
     warm()
+
+
+@pytest.fixture(params=TRANSPORTS, autouse=True)
+def _transport(request: pytest.FixtureRequest) -> None:
+    TRANSPORT.name = request.param
 
 
 def names(resp: DiscoveryResponse) -> list[str]:

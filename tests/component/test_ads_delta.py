@@ -1,4 +1,4 @@
-"""Delta (incremental) ADS over real in-memory HTTP/2 gRPC (grpclib ChannelFor), with a fake
+"""Delta (incremental) ADS over real HTTP/2 gRPC (both transports: ads_transport), with a fake
 Envoy that asserts the protocol's invariants on every response (known type URL, fresh nonce,
 unique names, a version on every resource, no name both updated and removed) and keeps the
 resources it holds the way Envoy does, so tests assert on what the client ends up with."""
@@ -18,10 +18,10 @@ import grpclib.const
 import pytest
 from grpclib.client import Channel, Stream
 from grpclib.exceptions import GRPCError
-from grpclib.testing import ChannelFor
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.metrics import Metrics
+from tests.component.ads_transport import TRANSPORT, TRANSPORTS, ads_channel
 from tests.component.test_ads_mtls import ads_server, client_context
 from tests.unit.xds.meshfixture import NOW, TRUST, allow, attested, reg, two_workloads
 from xds import pb
@@ -184,7 +184,7 @@ async def envoy(
     cache: SnapshotCache, metrics: Metrics, node: str = "frontend", server: AdsServer | None = None
 ) -> AsyncIterator[FakeDeltaEnvoy]:
     async with (
-        ChannelFor([server or AdsServer(cache, metrics)]) as channel,
+        ads_channel(server or AdsServer(cache, metrics)) as channel,
         channel.request(
             METHOD,
             grpclib.const.Cardinality.STREAM_STREAM,
@@ -199,6 +199,11 @@ async def envoy(
 @pytest.fixture(scope="module", autouse=True)
 def _warm() -> None:
     warm()
+
+
+@pytest.fixture(params=TRANSPORTS, autouse=True)
+def _transport(request: pytest.FixtureRequest) -> None:
+    TRANSPORT.name = request.param
 
 
 async def subscribe_all(e: FakeDeltaEnvoy, s: Snapshot) -> None:

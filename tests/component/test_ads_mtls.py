@@ -17,12 +17,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from grpclib.server import Server
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from attestmesh.serve import ControlPlaneSettings, _load_server_cert, _xds_tls
 from certs.ca import CertificateAuthority
 from certs.ca.templates import build_leaf
+from tests.component.ads_transport import TRANSPORT, TRANSPORTS, serve_ads
 from tests.unit.fixtures_core import csr_pem, new_key
 from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
 from xds.build import Packer, build_snapshots
@@ -65,6 +65,11 @@ def client_context(ca: CertificateAuthority, tmp: Path, sa: str | None) -> ssl.S
     return ctx
 
 
+@pytest.fixture(params=TRANSPORTS, autouse=True)
+def _transport(request: pytest.FixtureRequest) -> None:
+    TRANSPORT.name = request.param
+
+
 @asynccontextmanager
 async def ads_server(tmp: Path) -> AsyncIterator[tuple[int, CertificateAuthority]]:
     warm()
@@ -83,14 +88,8 @@ async def ads_server(tmp: Path) -> AsyncIterator[tuple[int, CertificateAuthority
         w = state.workloads.get(node)
         return w is not None and w.registration.spiffe_id(TD) in peer.uris
 
-    server = Server([AdsServer(cache, authorize=authorize)])
-    await server.start("127.0.0.1", 0, ssl=ctx)
-    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serve_ads(AdsServer(cache, authorize=authorize), ctx) as port:
         yield port, ca
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def first_response(port: int, ctx: ssl.SSLContext, node: str) -> DiscoveryResponse:

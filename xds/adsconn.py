@@ -1,0 +1,490 @@
+"""The ADS port on a lean transport: :class:`xds.h2conn.H2Server` under an asyncio Protocol,
+serving both RPCs of the AggregatedDiscoveryService with the sessions of :mod:`xds.server`.
+
+Per connection: one ``H2Server`` (no HPACK encoder; a decoder made on the first HEADERS),
+the peer identity read once from the client certificate. Per stream: a :class:`_Call` and,
+after the first request, the session, the cache's watch and one task that waits on the watch
+and writes what the session makes due. Requests are decoded by :mod:`xds.adswire` in
+``data_received`` and fed to the session there; an ACK costs a decode and a session update.
+A push costs the session's encoding and one ``transport.write`` of the framed bytes.
+
+gRPC semantics kept from the grpclib server (and tested against a grpclib client): response
+headers with the first message; trailers ``grpc-status`` (and ``grpc-message``) when the
+stream ends; a trailers-only response for an error before any message; the client's
+half-close ends the stream with OK; PERMISSION_DENIED for a foreign node (and the connection
+closes soon after, see :data:`xds.server.REFUSED_CONNECTION_CLOSE_S`), INVALID_ARGUMENT for a
+missing node id or an undecodable request, UNIMPLEMENTED for another method; ``grpc-timeout``
+is honoured (DEADLINE_EXCEEDED). Backpressure: while a stream has data waiting for the peer's
+window, or the transport has paused writing, its session is not asked for more.
+
+Hostile input is reported through ``report(reason)`` (bounded reasons: ``protocol_error``,
+``flood``, ``invalid_request``, ``header_timeout``) and ends the connection (connection errors:
+GOAWAY with the code, then close) or the stream only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from xds import sync_status
+from xds.adswire import WireError, decode_delta, decode_sotw
+from xds.cache import SnapshotCache, Watch
+from xds.h2conn import (
+    GRPC_RESPONSE_HEADERS,
+    ErrorCode,
+    H2Error,
+    H2Limits,
+    H2Server,
+    encode_headers,
+    encode_trailers,
+)
+from xds.resources import ADS_SERVICE
+from xds.server import (
+    REFUSED_CONNECTION_CLOSE_S,
+    AdsServer,
+    AdsSession,
+    DeltaSession,
+    PeerIdentity,
+    peer_identity,
+    still_allowed_for,
+)
+
+log = logging.getLogger(__name__)
+
+SOTW_PATH = f"/{ADS_SERVICE}/StreamAggregatedResources".encode()
+DELTA_PATH = f"/{ADS_SERVICE}/DeltaAggregatedResources".encode()
+
+# gRPC status codes used here
+OK, DEADLINE_EXCEEDED, INVALID_ARGUMENT, PERMISSION_DENIED, UNIMPLEMENTED = 0, 4, 3, 7, 12
+UNAVAILABLE = 14
+
+Report = Callable[[str], None]
+"""``report(reason)``: a hostile or broken input was refused (a bounded metric label)."""
+
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def parse_grpc_timeout(value: bytes) -> float | None:
+    """``grpc-timeout`` (up to 8 digits and a unit) in seconds; None if malformed."""
+    if not 2 <= len(value) <= 9 or not value[:-1].isdigit():
+        return None
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    return None if unit is None else int(value[:-1]) * unit
+
+
+class _Call:
+    __slots__ = (
+        "deadline",
+        "delta",
+        "done",
+        "drained",
+        "node",
+        "session",
+        "started",
+        "task",
+        "timer",
+        "watch",
+        "watch_cm",
+    )
+
+    def __init__(self, delta: bool) -> None:
+        self.delta = delta
+        self.session: Any = None
+        self.node = ""
+        self.watch: Watch | None = None
+        self.watch_cm: contextlib.AbstractContextManager[Watch] | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the first request must come before it
+        self.deadline: asyncio.TimerHandle | None = None  # grpc-timeout
+        self.drained: asyncio.Future[None] | None = None
+        self.started = False  # response headers sent
+        self.done = False
+
+
+class LeanAds:
+    """Serves ``ads`` (an :class:`xds.server.AdsServer`: cache, metrics, clock, authorize,
+    versions) on connections made by :meth:`protocol`. ``close`` ends every connection."""
+
+    def __init__(
+        self,
+        ads: AdsServer,
+        limits: H2Limits | None = None,
+        first_message_timeout: float = 10.0,
+    ) -> None:
+        self.ads = ads
+        self.limits = limits or H2Limits()
+        self.first_message_timeout = first_message_timeout
+        self.connections: set[AdsConnection] = set()
+        self._servers: list[asyncio.Server] = []
+
+    def configure(
+        self,
+        *,
+        max_streams: int,
+        max_header_list_size: int,
+        window: int,
+        first_message_timeout: float,
+    ) -> None:
+        """Set the limits new connections get (a hardened listener calls it)."""
+        self.limits = H2Limits(
+            max_streams=max_streams, max_header_list_size=max_header_list_size, window=window
+        )
+        self.first_message_timeout = first_message_timeout
+
+    def protocol(self, report: Report | None = None) -> AdsConnection:
+        return AdsConnection(self, report)
+
+    def serving(self, server: asyncio.Server) -> None:
+        """``server`` accepts this service's connections: ``close`` closes it too."""
+        self._servers.append(server)
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on plain TCP with no listener limits (tests, the in-process harness)."""
+        loop = asyncio.get_running_loop()
+        self.serving(await loop.create_server(self.protocol, host, port))
+
+    def close(self) -> None:
+        """Stop listening; GOAWAY and UNAVAILABLE to every open stream, then close."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+
+    async def wait_closed(self) -> None:
+        for _ in range(50):
+            if not self.connections:
+                break
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.abort()
+        for server in self._servers:
+            await server.wait_closed()
+
+
+class AdsConnection(asyncio.Protocol):
+    """One HTTP/2 connection on the ADS port."""
+
+    __slots__ = ("_calls", "_h2", "_paused", "_peer", "_report", "_server", "_transport")
+
+    def __init__(self, server: LeanAds, report: Report | None) -> None:
+        self._server = server
+        self._report = report
+        self._transport: asyncio.Transport | None = None
+        self._h2: H2Server | None = None
+        self._calls: dict[int, _Call] = {}
+        self._peer: PeerIdentity | None = None
+        self._paused = False
+
+    # -- what attestmesh.listen reads -------------------------------------------------------
+
+    def listen_phase(self) -> tuple[bool, object]:
+        """(a stream is open, a key that changes whenever a stream opens or the last closes)."""
+        h2 = self._h2
+        if h2 is None:
+            return False, None
+        busy = bool(h2.streams)
+        return busy, (h2.highest_stream_id, busy)
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._h2 = H2Server(self, self._server.limits)
+        self._server.connections.add(self)
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        h2 = self._h2
+        if h2 is None:
+            return
+        try:
+            h2.receive(data)
+        except H2Error as exc:
+            reason = "flood" if exc.code is ErrorCode.ENHANCE_YOUR_CALM else "protocol_error"
+            log.info("xds: closing a connection: %s (%s)", exc, exc.code.name)
+            self._count(reason)
+            self._flush()
+            self._end_all()
+            if self._transport is not None:
+                self._transport.close()
+            return
+        if any(call.drained is not None for call in self._calls.values()):
+            self._wake_drained()  # a WINDOW_UPDATE or SETTINGS may have opened the window
+        self._flush()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drained()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        self._end_all()
+        self._transport = None
+        self._h2 = None
+
+    def shutdown(self) -> None:
+        """GOAWAY, end every stream with UNAVAILABLE, close."""
+        h2, transport = self._h2, self._transport
+        if h2 is None or transport is None:
+            return
+        for sid in list(self._calls):
+            self._end(sid, UNAVAILABLE, "the control plane is shutting down")
+        h2.goaway(ErrorCode.NO_ERROR)
+        self._flush()
+        transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _count(self, reason: str) -> None:
+        if self._report is not None:
+            try:
+                self._report(reason)
+            except Exception:
+                log.exception("report callback failed")
+
+    def _flush(self) -> None:
+        h2, transport = self._h2, self._transport
+        if h2 is None or transport is None:
+            return
+        out = h2.take_output()
+        if out:
+            transport.write(out)
+
+    def _peer_identity(self) -> PeerIdentity:
+        if self._peer is None:
+            transport = self._transport
+            cert = None if transport is None else transport.get_extra_info("peercert")
+            self._peer = peer_identity(cert)
+        return self._peer
+
+    def _trailers_only(self, sid: int, status: int, message: str) -> None:
+        h2 = self._h2
+        if h2 is not None:
+            h2.send_trailers(sid, encode_trailers(status, message, headers=True))
+
+    def _end(self, sid: int, status: int, message: str = "") -> None:
+        """End a call with a gRPC status (trailers after anything still queued)."""
+        call = self._calls.pop(sid, None)
+        h2 = self._h2
+        if h2 is not None and sid in h2.streams:
+            headers = call is None or not call.started
+            h2.send_trailers(sid, encode_trailers(status, message, headers=headers))
+        if call is not None:
+            self._stop(call)
+
+    def _stop(self, call: _Call) -> None:
+        call.done = True
+        for timer in (call.timer, call.deadline):
+            if timer is not None:
+                timer.cancel()
+        call.timer = call.deadline = None
+        if call.watch is not None:
+            call.watch.changed.set()  # the pump wakes, sees done and cleans up
+        if call.drained is not None and not call.drained.done():
+            call.drained.set_result(None)
+
+    def _end_all(self) -> None:
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            self._stop(call)
+
+    def _wake_drained(self) -> None:
+        h2 = self._h2
+        for sid, call in self._calls.items():
+            fut = call.drained
+            if fut is not None and not fut.done() and (h2 is None or not h2.pending(sid)):
+                fut.set_result(None)
+
+    # -- H2Handler ---------------------------------------------------------------------------
+
+    def on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], end: bool) -> None:
+        method = path = content_type = timeout = None
+        for name, value in headers:
+            if name == b":method":
+                method = value
+            elif name == b":path":
+                path = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = value
+        h2 = self._h2
+        assert h2 is not None
+        if (
+            method != b"POST"
+            or content_type is None
+            or not content_type.startswith(b"application/grpc")
+        ):
+            self._count("invalid_request")
+            status = b"415" if method == b"POST" else b"405"
+            h2.send_trailers(stream_id, encode_headers([(b":status", status)]))
+            return
+        if path == SOTW_PATH:
+            call = _Call(delta=False)
+        elif path == DELTA_PATH:
+            call = _Call(delta=True)
+        else:
+            self._trailers_only(stream_id, UNIMPLEMENTED, f"method not found: {path!r}")
+            return
+        self._calls[stream_id] = call
+        loop = asyncio.get_running_loop()
+        seconds = parse_grpc_timeout(timeout) if timeout is not None else None
+        if timeout is not None and seconds is None:
+            self._calls.pop(stream_id)
+            self._count("invalid_request")
+            self._trailers_only(stream_id, INVALID_ARGUMENT, "malformed grpc-timeout")
+            return
+        if seconds is not None:
+            call.deadline = loop.call_later(seconds, self._deadline, stream_id, "deadline exceeded")
+        call.timer = loop.call_later(
+            self._server.first_message_timeout, self._deadline, stream_id, ""
+        )
+
+    def _deadline(self, sid: int, message: str) -> None:
+        call = self._calls.get(sid)
+        if call is None:
+            return
+        if not message:
+            call.timer = None  # the first-message timer: a stream opened and left silent
+            self._count("header_timeout")
+            message = "no request within the first-message timeout"
+        self._end(sid, DEADLINE_EXCEEDED, message)
+        self._flush()
+
+    def on_message(self, stream_id: int, message: bytes) -> None:
+        call = self._calls.get(stream_id)
+        if call is None:
+            return
+        try:
+            req: Any = decode_delta(message) if call.delta else decode_sotw(message)
+        except WireError as exc:
+            self._count("invalid_request")
+            self._end(stream_id, INVALID_ARGUMENT, f"undecodable request: {exc}")
+            return
+        if call.session is not None:
+            if call.session.on_request(req) and call.watch is not None:
+                call.watch.changed.set()
+            return
+        self._first(stream_id, call, req)
+
+    def _first(self, sid: int, call: _Call, req: Any) -> None:
+        ads = self._server.ads
+        node = req.node.id if req.node is not None else ""
+        if not node:
+            self._end(sid, INVALID_ARGUMENT, "node.id is required")
+            return
+        authorize = ads.authorize
+        if authorize is not None and not authorize(node, self._peer_identity()):
+            self._end(
+                sid, PERMISSION_DENIED, f"the client certificate does not identify node {node!r}"
+            )
+            transport = self._transport
+            if transport is not None:
+                asyncio.get_running_loop().call_later(REFUSED_CONNECTION_CLOSE_S, transport.close)
+            return
+        if call.timer is not None:  # the first request came: ADS streams are long-lived
+            call.timer.cancel()
+            call.timer = None
+        call.node = node
+        call.session = (
+            DeltaSession(node, ads.metrics, ads.clock, ads.versions)
+            if call.delta
+            else AdsSession(node, ads.metrics, ads.clock)
+        )
+        call.session.on_request(req)
+        cache: SnapshotCache = ads.cache
+        call.watch_cm = cache.watch(node)
+        call.watch = call.watch_cm.__enter__()
+        ads.metrics.xds_stream(+1)
+        sync_status.opened(cache, node, call.session)
+        call.task = asyncio.get_running_loop().create_task(self._pump(sid, call))
+
+    def on_end(self, stream_id: int) -> None:
+        # the client half-closed: nothing more will be asked; the stream ends (as grpclib's
+        # handler returns when its request iterator ends)
+        if stream_id in self._calls:
+            self._end(stream_id, OK)
+
+    def on_reset(self, stream_id: int, code: int) -> None:
+        call = self._calls.pop(stream_id, None)
+        if call is not None:
+            self._stop(call)
+
+    # -- the push side -----------------------------------------------------------------------
+
+    async def _pump(self, sid: int, call: _Call) -> None:
+        ads = self._server.ads
+        cache: SnapshotCache = ads.cache
+        watch = call.watch
+        assert watch is not None
+        still_allowed = still_allowed_for(ads.authorize, self._peer_identity())
+        node, session = call.node, call.session
+        try:
+            while True:
+                await watch.changed.wait()
+                watch.changed.clear()
+                if call.done:
+                    return
+                if still_allowed is not None and not still_allowed(node):
+                    self._end(
+                        sid,
+                        PERMISSION_DENIED,
+                        f"the client certificate no longer identifies node {node!r}",
+                    )
+                    self._flush()
+                    transport = self._transport
+                    if transport is not None:
+                        asyncio.get_running_loop().call_later(
+                            REFUSED_CONNECTION_CLOSE_S, transport.close
+                        )
+                    return
+                snapshot = cache.get(node)
+                if snapshot is None:
+                    continue
+                await self._send_all(sid, call, session.responses(snapshot))
+        finally:
+            ads.metrics.xds_stream(-1)
+            sync_status.closed(cache, node, session)
+            if call.watch_cm is not None:
+                call.watch_cm.__exit__(None, None, None)
+                call.watch_cm = None
+            if self._calls.get(sid) is call:
+                self._calls.pop(sid)
+
+    async def _send_all(self, sid: int, call: _Call, messages: Iterator[bytes]) -> None:
+        for message in messages:
+            h2 = self._h2
+            if h2 is None or call.done:
+                return
+            if not call.started:
+                call.started = True
+                h2.send_headers(sid, GRPC_RESPONSE_HEADERS)
+            if not h2.send_message(sid, message):
+                return
+            if h2.pending(sid) or self._paused:
+                self._flush()
+                loop = asyncio.get_running_loop()
+                while not call.done and self._blocked(sid):
+                    call.drained = loop.create_future()
+                    await call.drained
+                    call.drained = None
+        self._flush()
+
+    def _blocked(self, sid: int) -> bool:
+        h2 = self._h2
+        return self._paused or (h2 is not None and h2.pending(sid) > 0)
