@@ -36,6 +36,7 @@ from attestmesh.controlplane import (
     Publisher,
     RegistrationTokenCheck,
 )
+from attestmesh.controlplane import http as api
 from attestmesh.cp_attest import SelfAttestation
 from attestmesh.gcpolicy import GcPolicy
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
@@ -43,7 +44,6 @@ from attestmesh.metrics import Metrics
 from attestmesh.replication import PgReplication
 from attestmesh.secret_release import SecretReleaseSettings
 from attestmesh.tcb_monitor import build_tcb_monitor
-from certs import api
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.collateral.amd_kds import KdsCollateralSource
 from certs.collateral.cache import DiskCache, http_fetcher

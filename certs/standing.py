@@ -1,8 +1,8 @@
 """A workload's standing as issuance sees it, and the refusals that follow from it.
 
 Defined here, below both users: the mesh state (``xds.state`` keeps each workload's ``Status``
-and raises these errors; it re-exports them) and the attestation API (``certs.api`` maps them to
-HTTP answers), so the API adapter needs nothing from ``xds``.
+and raises these errors; it re-exports them) and the attestation API
+(``attestmesh.controlplane.http`` maps them to HTTP answers).
 """
 
 from __future__ import annotations

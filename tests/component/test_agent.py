@@ -26,7 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from certs.api import build_app
+from attestmesh.controlplane.http import build_app
 from certs.ca import CertificateAuthority, build_server_cert
 from sidecar.agent import (
     Agent,

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from OpenSSL import crypto
 
-from certs.api import build_app
+from attestmesh.controlplane.http import build_app
 from certs.binding import expected_report_data
 from certs.ca import BACKDATE, CLAIMS_OID, decode_claims_extension
 from certs.ear import TrustTier, verify_certificate_ear

@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from cryptography import x509
 
 from attestmesh.controlplane import ControlPlane
+from attestmesh.controlplane import http as api
 from attestmesh.metrics import Metrics
-from certs import api
 from certs.ca import CertificateAuthority
 from certs.collateral.amd_kds import KdsCollateralSource
 from certs.collateral.cache import DiskCache, http_fetcher

@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import ControlPlane
+from attestmesh.controlplane.http import build_app
 from attestmesh.metrics import Metrics
-from certs.api import build_app
 from certs.ca import CLAIMS_OID, CertificateAuthority, decode_claims_extension
 from certs.ear import verify_certificate_ear
 from certs.evidence.claims import Tee

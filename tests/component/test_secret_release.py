@@ -26,9 +26,9 @@ import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from attestmesh.controlplane.http import build_app
 from attestmesh.listen import ListenLimits
 from attestmesh.secret_release import build_service, start_secret_listener
-from certs.api import build_app
 from certs.ca import issue_serving_credentials
 from certs.openbao import AppRole, KvSecret, OpenBaoClient, OpenBaoError, TokenFile
 from certs.secrets_api import SecretPolicies, SecretService, secrets_tls

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from certs.api import build_app
+from attestmesh.controlplane.http import build_app
 from certs.binding import expected_report_data
 from certs.errors import AttestmeshError
 from certs.evidence import sim

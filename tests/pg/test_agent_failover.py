@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from attestmesh.controlplane.http import build_app
 from attestmesh.demo import free_port as free_port  # one port picker (see there)
-from certs.api import build_app
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from tests.component.test_agent import RecordingSink, _server_tls
 from tests.pg.replicas import PLATFORM, Replica

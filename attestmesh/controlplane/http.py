@@ -1,5 +1,6 @@
-"""The attestation API over HTTPS (aiohttp): challenge, attest, renew. Thin: it translates
-JSON to ``AttestRequest`` and errors to HTTP, and delegates to the control plane.
+"""The attestation API over HTTPS (aiohttp): challenge, attest, renew, trust. Thin: it
+translates JSON to ``AttestRequest`` and errors to HTTP, and delegates to the control-plane
+service (``Issuing``, which ``ControlPlane`` implements), typed end to end.
 
 Who is registered is not revealed to a caller who cannot prove to be that workload: an
 unknown workload and bad credentials get one answer (401 identity_invalid, one fixed detail),
@@ -13,12 +14,14 @@ import base64
 import binascii
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
+from typing import Protocol
 
 from aiohttp import web
 
-from certs.ca import CsrError
+from attestmesh.controlplane.issued import Issued
+from certs.csr import CsrError
 from certs.errors import AttestmeshError, CollateralError
 from certs.issuance import AttestRequest, EvidenceRejected, IdentityError
 from certs.nonces import NonceError
@@ -31,11 +34,13 @@ IDENTITY_REFUSED = "unknown workload or bad credentials"
 
 
 class Issuing(Protocol):
-    """What the API needs from the control plane."""
+    """What the API needs from the control-plane service."""
 
-    def challenge(self) -> tuple[bytes, Any]: ...
+    def challenge(self) -> tuple[bytes, datetime]:
+        """A fresh nonce and its expiry."""
+        ...
 
-    async def attest(self, req: AttestRequest, token: str | None) -> Any: ...
+    async def attest(self, req: AttestRequest, token: str | None) -> Issued: ...
 
     async def authenticate(self, workload: str, token: str | None) -> Status: ...
 
@@ -43,7 +48,7 @@ class Issuing(Protocol):
 
     def trust_json(self) -> dict[str, str]: ...
 
-    def withdraw(self, issued: Any) -> bool: ...
+    def withdraw(self, issued: Issued) -> bool: ...
 
 
 class ApiMetrics(Protocol):
@@ -82,7 +87,7 @@ def public_error(exc: AttestmeshError) -> tuple[int, dict[str, str]]:
     return _http_status(exc), {"error": exc.reason, "detail": exc.detail}
 
 
-def _b64(body: dict[str, Any], key: str, *, required: bool = True) -> bytes:
+def _b64(body: Mapping[str, object], key: str, *, required: bool = True) -> bytes:
     value = body.get(key)
     if value is None and not required:
         return b""
@@ -94,23 +99,28 @@ def _b64(body: dict[str, Any], key: str, *, required: bool = True) -> bytes:
         raise RequestError("request_malformed", f"{key} is not valid base64") from None
 
 
-def parse_attest_body(body: Any) -> AttestRequest:
+def _text(body: Mapping[str, object], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise RequestError("request_malformed", f"{key} must be a non-empty string")
+    return value
+
+
+def parse_attest_body(body: object) -> AttestRequest:
     if not isinstance(body, dict):
         raise RequestError("request_malformed", "body must be a JSON object")
-    for key in ("workload", "tee", "csr"):
-        if not isinstance(body.get(key), str) or not body[key]:
-            raise RequestError("request_malformed", f"{key} must be a non-empty string")
+    workload, tee, csr = _text(body, "workload"), _text(body, "tee"), _text(body, "csr")
     collateral_raw = body.get("collateral", {})
     if not isinstance(collateral_raw, dict) or len(collateral_raw) > MAX_COLLATERAL_ITEMS:
         raise RequestError("request_malformed", "collateral must map names to base64 strings")
     collateral = {str(k): _b64(collateral_raw, k) for k in collateral_raw}
     try:
-        csr_pem = body["csr"].encode("ascii")
+        csr_pem = csr.encode("ascii")
     except UnicodeEncodeError:
         raise RequestError("request_malformed", "csr must be PEM (ASCII)") from None
     return AttestRequest(
-        workload=body["workload"],
-        tee=body["tee"],
+        workload=workload,
+        tee=tee,
         evidence=_b64(body, "evidence"),
         csr_pem=csr_pem,
         nonce=_b64(body, "nonce"),
@@ -118,7 +128,7 @@ def parse_attest_body(body: Any) -> AttestRequest:
     )
 
 
-def issued_json(issued: Any) -> dict[str, Any]:
+def issued_json(issued: Issued) -> dict[str, str]:
     return {
         "certificate_chain": issued.chain_pem.decode(),
         "trust_bundle": issued.bundle_pem.decode(),
@@ -146,7 +156,7 @@ def build_app(cp: Issuing, metrics: ApiMetrics) -> web.Application:
 
         return wrapper
 
-    async def read_json(request: web.Request) -> Any:
+    async def read_json(request: web.Request) -> object:
         try:
             return await request.json(loads=json.loads)
         except (ValueError, UnicodeDecodeError):
@@ -164,7 +174,7 @@ def build_app(cp: Issuing, metrics: ApiMetrics) -> web.Application:
         auth = request.headers.get("Authorization", "")
         return auth[7:] if auth.startswith("Bearer ") else None
 
-    def deliver(request: web.Request, issued: Any) -> web.Response:
+    def deliver(request: web.Request, issued: Issued) -> web.Response:
         """Answer with the certificate, unless the client is gone: then nobody holds its key,
         and the control plane takes the issuance back (the agent retries)."""
         transport = request.transport

@@ -8,26 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import heapq
-import hmac
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Protocol
 
+from attestmesh.controlplane.identity import RegistrationTokenCheck
+from attestmesh.controlplane.issued import Issued
+from attestmesh.controlplane.limiter import AttestationLimiter
+from attestmesh.controlplane.ports import (
+    Clock,
+    CollateralSource,
+    IdentityCheck,
+    Publisher,
+    Replication,
+)
 from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import TcbGraceBook, deferrals_to_drop
 from certs.ca import CertificateAuthority, Issuer, Leaf, issue, rotation_step
 from certs.errors import AttestmeshError, CollateralError, PolicyError
-from certs.evidence.claims import Claims, Collateral, TcbStatus, Tee, Verifier
+from certs.evidence.claims import Claims, TcbStatus, Tee, Verifier
 from certs.issuance import (
     Admission,
     AttestRequest,
     EvidenceRejected,
-    IdentityError,
     decide,
     verify_request,
 )
@@ -89,93 +95,6 @@ PLATFORM_APPRAISAL_REASONS = frozenset({"tcb_status_not_accepted", "tcb_below_mi
 TCB_REASONS = frozenset({"tcb_status_not_accepted"})
 
 
-class Publisher(Protocol):
-    """Announces a persisted state: xDS snapshots, Kubernetes actions."""
-
-    def publish(
-        self,
-        state: MeshState,
-        mesh_policies: Sequence[MeshPolicy],
-        trust: TrustMaterial,
-        changed: Iterable[str] | None = None,
-    ) -> None:
-        """``changed``: the workloads that differ from the state last published (None:
-        unknown, compare)."""
-        ...
-
-    def on_events(self, state: MeshState, events: Sequence[Event]) -> None: ...
-
-
-class IdentityCheck(Protocol):
-    async def check(self, reg: Registration, token: str | None) -> None: ...
-
-
-class CollateralSource(Protocol):
-    async def collateral_for(
-        self, evidence: bytes, supplied: Collateral, now: datetime
-    ) -> dict[str, bytes]: ...
-
-
-class Replication(Protocol):
-    """Several replicas on one database (attestmesh.replication): which one leads (CA
-    rotation and revocation pruning are done once, by the leader), and the CA they share."""
-
-    def is_leader(self) -> bool: ...
-
-    def in_contact(self) -> bool:
-        """The database answered within the last few seconds (else: issue nothing)."""
-        ...
-
-    def load_state(self) -> MeshState:
-        """Everything durable now (blocking; after a failed write, to recover)."""
-        ...
-
-    def load_rows(self, names: Collection[str]) -> dict[str, WorkloadState | None]:
-        """These workloads' rows as stored now (None: no row). Blocking."""
-        ...
-
-    def ca_rotated(self, ca: CertificateAuthority) -> None:
-        """The leader persisted a rotation step: store it for the other replicas."""
-        ...
-
-    def load_ca(self) -> CertificateAuthority:
-        """The leader rotated the shared CA: the CA as stored now."""
-        ...
-
-
-class RegistrationTokenCheck:
-    """Local mode: a registration entry carries the SHA-256 of its join token. A registration
-    without one (kept in state from a run that allowed it, say) is refused unless
-    ``allow_tokenless`` (``--allow-unauthenticated-registrations``)."""
-
-    def __init__(self, *, allow_tokenless: bool) -> None:
-        self._allow_tokenless = allow_tokenless
-
-    async def check(self, reg: Registration, token: str | None) -> None:
-        if reg.token_sha256 is None:
-            if self._allow_tokenless:
-                return
-            raise IdentityError("identity_invalid", f"{reg.name} has no join token registered")
-        got = hashlib.sha256((token or "").encode()).hexdigest()
-        if not hmac.compare_digest(got, reg.token_sha256):
-            raise IdentityError("identity_invalid", f"bad registration token for {reg.name}")
-
-
-@dataclass(frozen=True, slots=True)
-class Issued:
-    chain_pem: bytes
-    bundle_pem: bytes
-    serial: int
-    not_after: datetime
-    renew_after: datetime
-    reattest_by: datetime
-    spiffe_id: str
-    claims: Claims
-    workload: str = ""
-    # the workload's record before this issuance (to take it back if the response is lost)
-    before: WorkloadState | None = field(default=None, compare=False, repr=False)
-
-
 @dataclass(frozen=True, slots=True)
 class _Announcement:
     state: MeshState
@@ -189,9 +108,6 @@ class _Announcement:
 
 class StoreUnavailableError(AttestmeshError):
     """A write to the state store failed: the control plane stops deciding until restarted."""
-
-
-Clock = Callable[[], datetime]
 
 
 class ControlPlane:
@@ -1024,38 +940,3 @@ def _verify_and_sign(
     appraise, and only the ``Admission`` that comes out reaches the CA."""
     admission = decide(verify_request(req, verifiers, now), governing, now)
     return admission, issue(admission, ca, spiffe_id=spiffe_id, serial=serial, now=now)
-
-
-class AttestationLimiter:
-    """A token bucket per workload: at most ``burst`` attestations at once and one more per
-    ``refill``. An agent renews at half its certificate's life and may retry a few times; a
-    client looping on a valid token cannot make the control plane sign (and revoke, and
-    publish CRLs) without bound. Bounded in memory: full buckets are forgotten."""
-
-    def __init__(
-        self, burst: int = 8, refill: timedelta = timedelta(seconds=60), limit: int = 100_000
-    ) -> None:
-        self._burst = burst
-        self._limit = limit
-        self._refill = refill
-        self._buckets: dict[str, tuple[float, datetime]] = {}
-
-    def take(self, name: str, now: datetime) -> None:
-        tokens = self._tokens(name, now)
-        if tokens < 1:
-            wait = int((1 - tokens) * self._refill.total_seconds()) + 1
-            raise AttestmeshError(
-                "too_many_attestations", f"{name} attests too often; retry in {wait} s"
-            )
-        if len(self._buckets) >= self._limit:  # forget buckets that are full again
-            self._buckets = {
-                n: b for n, b in self._buckets.items() if self._tokens(n, now) < self._burst
-            }
-        self._buckets[name] = (tokens - 1, now)
-
-    def _tokens(self, name: str, now: datetime) -> float:
-        tokens, at = self._buckets.get(name, (float(self._burst), now))
-        return min(float(self._burst), tokens + (now - at) / self._refill)
-
-    def forget(self, name: str) -> None:
-        self._buckets.pop(name, None)
