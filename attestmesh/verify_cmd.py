@@ -52,8 +52,9 @@ from certs.errors import (
     PolicyError,
 )
 from certs.evidence import registry, sim
-from certs.evidence.claims import Claims, Tee
+from certs.evidence.claims import Tee
 from certs.policy import Admitted, Decision, appraise_all, parse_policies, policies_for
+from xds.store import claims_to_doc
 
 EXIT_OK = 0
 EXIT_REJECTED = 1
@@ -198,24 +199,6 @@ def select_evidence(raw: bytes, tee: Tee | None) -> tuple[Tee, bytes]:
     return tee, raw  # let the chosen verifier report precisely what is wrong
 
 
-def claims_json(claims: Claims) -> dict[str, Any]:
-    return {
-        "tee": str(claims.tee),
-        "measurements": dict(claims.measurements),
-        "report_data": claims.report_data.hex(),
-        "debug": claims.debug,
-        "evidence_sha256": claims.evidence_sha256,
-        "signer": claims.signer,
-        "product_id": claims.product_id,
-        "svn": claims.svn,
-        "platform_id": claims.platform_id,
-        "tcb": dict(claims.tcb),
-        "tcb_status": claims.tcb_status,
-        "advisories": list(claims.advisories),
-        "details": dict(claims.details),
-    }
-
-
 def decision_json(decision: Decision) -> dict[str, Any]:
     if isinstance(decision, Admitted):
         return {
@@ -335,7 +318,7 @@ def evaluate(args: argparse.Namespace, now: datetime) -> Outcome:
         report["error"] = {"kind": kind, "reason": exc.reason, "detail": exc.detail}
         return Outcome(EXIT_INVALID, report)
     report["valid"] = True
-    report["claims"] = claims_json(claims)
+    report["claims"] = claims_to_doc(claims)  # the store's encoding, field for field
     if policies is None:
         return Outcome(EXIT_OK, report)
     if args.namespace is not None:

@@ -11,8 +11,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh import verify_cmd
+from certs.collateral.roots import bundled_roots
 from certs.evidence import sim
-from tests.vectors import VECTORS
+from certs.evidence.nitro import NitroVerifier
+from tests.vectors import VECTORS, pin
+from xds.store import claims_from_doc
 
 NITRO = VECTORS / "nitro"
 VERACRUZ = NITRO / "veracruz_eu-west-1_20221109.cbor"
@@ -78,6 +81,17 @@ def test_base64_text_evidence_is_decoded() -> None:
     assert report["tee"] == "nitro"
     assert report["claims"]["debug"] is True
     assert report["claims"]["details"]["user_data_len"] == 91
+
+
+def test_printed_claims_are_the_stores_encoding_of_the_verifiers_claims() -> None:
+    """The JSON claims are xds.store's document for the claims the verifier returned: read back
+    with the store's decoder they equal the verifier's own result, field for field."""
+    status, report = run_json(VERACRUZ, "--at", VERACRUZ_AT)
+    assert status == verify_cmd.EXIT_OK
+    direct = NitroVerifier(bundled_roots().nitro).verify(
+        VERACRUZ.read_bytes(), now=pin(VERACRUZ_AT), collateral={}
+    )
+    assert claims_from_doc(report["claims"]) == direct
 
 
 @pytest.mark.parametrize(
