@@ -1,6 +1,7 @@
 """Composition of secret release: settings -> OpenBao client, SecretPolicies, mTLS listener.
 
-Wiring only; the decision lives in ``xds.secretpolicy``, the service in ``certs.secrets_api``,
+Wiring only; the decision lives in ``xds.secretpolicy``, the service in
+``attestmesh.controlplane.secrets``,
 the backend adapter in ``certs.openbao``.
 """
 
@@ -21,11 +22,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from attestmesh.listen import ListenLimits, OnRefused, Site, start_aiohttp
-from attestmesh.metrics import Metrics
-from certs.errors import AttestmeshError, PolicyError
-from certs.openbao import AppRole, Credential, OpenBaoClient, TokenFile
-from certs.secrets_api import (
+from attestmesh.controlplane.secrets import (
     Limiter,
     SecretBackend,
     SecretPolicies,
@@ -33,6 +30,10 @@ from certs.secrets_api import (
     build_secrets_app,
     secrets_tls,
 )
+from attestmesh.listen import ListenLimits, OnRefused, Site, start_aiohttp
+from attestmesh.metrics import Metrics
+from certs.errors import AttestmeshError, PolicyError
+from certs.openbao import AppRole, Credential, OpenBaoClient, TokenFile
 from xds.state import Event, MeshState
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ async def start_kbs(
 ) -> web.AppRunner:
     import secrets as _secrets
 
-    from certs.kbs_api import KbsService, build_kbs_app
+    from attestmesh.controlplane.kbs import KbsService, build_kbs_app
 
     def on_decision(operation: str, result: str, reason: str) -> None:
         metrics.secret_requests.labels(operation, result, reason).inc()

@@ -37,6 +37,7 @@ from attestmesh.controlplane import (
     RegistrationTokenCheck,
 )
 from attestmesh.controlplane import http as api
+from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.cp_attest import SelfAttestation
 from attestmesh.gcpolicy import GcPolicy
 from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
@@ -60,7 +61,6 @@ from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.keystore import open_key_store
 from certs.policy import parse_policies
-from certs.secrets_api import SecretPolicies
 from sidecar.agent import EvidenceSource
 from xds.cache import SnapshotCache
 from xds.meshpolicy import parse_mesh_policies

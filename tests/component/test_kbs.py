@@ -25,11 +25,11 @@ import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from attestmesh.controlplane.kbs import KbsService, build_kbs_app
+from attestmesh.controlplane.secrets import SecretPolicies
 from certs.ca import issue_serving_credentials
 from certs.evidence import sim
-from certs.kbs_api import KbsService, build_kbs_app
 from certs.openbao import OpenBaoClient, TokenFile
-from certs.secrets_api import SecretPolicies
 from tests.bao_harness import Bao, start_bao
 from tests.unit.fixtures_core import (
     MEASUREMENT,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import aiohttp
 
+from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.secret_release import SecretReleaseSettings
 from attestmesh.serve import Running, run_control_plane
-from certs.secrets_api import SecretPolicies
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.secrets import FanOut, SecretFetcher
 from tests.bao_harness import start_bao

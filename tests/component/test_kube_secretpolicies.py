@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from certs.secrets_api import SecretPolicies
+from attestmesh.controlplane.secrets import SecretPolicies
 from tests.component.test_kube_adapter import Recorder, eventually, kc, running
 from tests.fakekube import FakeKube
 from tests.fakekube.server import ResourceType

@@ -27,11 +27,11 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane.http import build_app
+from attestmesh.controlplane.secrets import SecretPolicies, SecretService, secrets_tls
 from attestmesh.listen import ListenLimits
 from attestmesh.secret_release import build_service, start_secret_listener
 from certs.ca import issue_serving_credentials
 from certs.openbao import AppRole, KvSecret, OpenBaoClient, OpenBaoError, TokenFile
-from certs.secrets_api import SecretPolicies, SecretService, secrets_tls
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.secrets import FanOut, SecretFetcher, SecretFetchError
 from tests.bao_harness import Bao, start_bao

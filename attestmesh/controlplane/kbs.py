@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from attestmesh.controlplane.secrets import Limiter, SecretBackend, SecretPolicies
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Tee, Verifier
 from certs.kbs import (
@@ -40,7 +41,6 @@ from certs.kbs import (
 from certs.openbao import OpenBaoError
 from certs.policy import AttestationPolicy, Rejected, appraise_all, policies_for
 from certs.sealing import canonical_json, jwe_encrypt
-from certs.secrets_api import Limiter, SecretBackend, SecretPolicies
 from xds.secretpolicy import (
     Facts,
     KvSource,
