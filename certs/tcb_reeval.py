@@ -29,10 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from certs.errors import EvidenceVerificationError
 from certs.evidence.claims import Claims, Detail, TcbStatus, Tee
@@ -43,7 +40,8 @@ from certs.evidence.dcap import (
     converge_status,
     match_platform_level,
 )
-from certs.evidence.sev_snp import AmdChain, Product
+from certs.evidence.sev_snp import AMD_SIGNATURES, AmdChain, Product
+from certs.evidence.x509chain import MAX_CRL_BYTES, Window, check_window, parse_crl
 from certs.policy import (
     AttestationPolicy,
     Mode,
@@ -303,52 +301,35 @@ class AmdCrl:
     next_update: datetime
 
 
-MAX_CRL = 1 << 20
+MAX_CRL = MAX_CRL_BYTES
 
 
 def verify_amd_crl(data: bytes, chains: Sequence[AmdChain], now: datetime) -> AmdCrl:
-    """Verify an AMD CRL (DER or PEM) against the pinned ARKs; raise EvidenceVerificationError
-    (``collateral_invalid``, ``untrusted_root``, ``collateral_signature_invalid``,
-    ``collateral_expired``, ``collateral_not_yet_valid``)."""
-    if len(data) > MAX_CRL:
-        raise EvidenceVerificationError("collateral_invalid", "AMD CRL too large")
-    try:
-        crl = (
-            x509.load_pem_x509_crl(data)
-            if data.startswith(b"-----")
-            else x509.load_der_x509_crl(data)
-        )
-    except ValueError as exc:
-        raise EvidenceVerificationError("collateral_invalid", f"AMD CRL: {exc}") from None
-    ark = next((c for c in chains if c.ark.subject == crl.issuer), None)
+    """Verify an AMD CRL (DER or PEM, read strictly) against the pinned ARKs (RSASSA-PSS SHA-384,
+    salt 48, as the chains); raise EvidenceVerificationError (``collateral_invalid``,
+    ``untrusted_root``, ``collateral_signature_invalid``, ``collateral_expired``,
+    ``collateral_not_yet_valid``)."""
+    crl = parse_crl(
+        data,
+        lambda detail: EvidenceVerificationError("collateral_invalid", f"AMD CRL: {detail}"),
+        max_size=MAX_CRL,
+    )
+    ark = next((c for c in chains if c.ark_parsed.subject == crl.issuer), None)
     if ark is None:
         raise EvidenceVerificationError(
-            "untrusted_root", f"AMD CRL issuer {crl.issuer.rfc4514_string()} is not a pinned ARK"
+            "untrusted_root", f"AMD CRL issuer {crl.issuer_text} is not a pinned ARK"
         )
-    key = ark.ark.public_key()
+    key = ark.ark_parsed.public_key
     if not isinstance(key, rsa.RSAPublicKey):
         raise EvidenceVerificationError("collateral_invalid", "ARK key is not RSA")
-    try:
-        key.verify(
-            crl.signature,
-            crl.tbs_certlist_bytes,
-            padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=48),
-            hashes.SHA384(),
-        )
-    except InvalidSignature:
-        raise EvidenceVerificationError("collateral_signature_invalid", "AMD CRL") from None
-    next_update = crl.next_update_utc
-    if next_update is None:
+    if not AMD_SIGNATURES.signed(key, crl.signature, crl.tbs):
+        raise EvidenceVerificationError("collateral_signature_invalid", "AMD CRL")
+    if crl.next_update is None:
         raise EvidenceVerificationError("collateral_invalid", "AMD CRL has no nextUpdate")
-    if now < crl.last_update_utc:
-        raise EvidenceVerificationError("collateral_not_yet_valid", "AMD CRL")
-    if now > next_update:
-        raise EvidenceVerificationError("collateral_expired", "AMD CRL")
-    return AmdCrl(
-        product=str(ark.product),
-        revoked=frozenset(r.serial_number for r in crl),
-        next_update=next_update,
+    check_window(
+        Window(crl.last_update, crl.next_update, "AMD CRL", "AMD CRL"), now, kind="collateral"
     )
+    return AmdCrl(product=str(ark.product), revoked=crl.revoked, next_update=crl.next_update)
 
 
 def amd_products(chains: Sequence[AmdChain]) -> tuple[Product, ...]:

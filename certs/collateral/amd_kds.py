@@ -24,8 +24,6 @@ import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
-from cryptography import x509
-
 from certs.collateral.cache import DiskCache, Fetch, fetch_cached
 from certs.errors import CollateralError, EvidenceFormatError
 from certs.evidence.claims import Collateral
@@ -44,6 +42,7 @@ from certs.evidence.sev_snp import (
     product_from_cpuid,
     product_of_certificate,
 )
+from certs.evidence.x509chain import parse_crl
 
 __all__ = [
     "KdsCollateralSource",
@@ -83,11 +82,10 @@ def crl_url(base_url: str, product: Product) -> str:
 
 def _crl_expiry(now: datetime, max_age: timedelta | None) -> Callable[[bytes], datetime]:
     def expiry_of(body: bytes) -> datetime:
-        try:
-            crl = x509.load_der_x509_crl(body)
-        except ValueError:
-            raise CollateralError("collateral_invalid", "CRL from KDS is not DER") from None
-        next_update = crl.next_update_utc
+        crl = parse_crl(
+            body, lambda detail: CollateralError("collateral_invalid", f"CRL from KDS: {detail}")
+        )
+        next_update = crl.next_update
         if next_update is None:
             raise CollateralError("collateral_invalid", "CRL from KDS has no nextUpdate")
         return _capped(next_update, now, max_age)

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import aiohttp
-from cryptography import x509
 
 from certs.collateral.cache import DiskCache, fetch_cached
 from certs.errors import CollateralError, EvidenceFormatError, EvidenceVerificationError
@@ -38,6 +37,7 @@ from certs.evidence.dcap import (
     parse_quote,
     split_signed_response,
 )
+from certs.evidence.x509chain import parse_crl
 
 INTEL_ROOT_CA_CRL_URL = "https://certificates.trustedservices.intel.com/IntelSGXRootCA.der"
 
@@ -126,11 +126,10 @@ def _crl_expiry(chain_headers: tuple[str, ...] | None) -> Callable[[bytes], date
         resp = decode_blob(blob)
         if chain_headers is not None:
             _chain(resp, chain_headers, "pck_crl")
-        try:
-            crl = x509.load_der_x509_crl(resp.body)
-        except ValueError as exc:
-            raise CollateralError("collateral_invalid", "unreadable CRL") from exc
-        next_update = crl.next_update_utc
+        crl = parse_crl(
+            resp.body, lambda detail: CollateralError("collateral_invalid", f"CRL: {detail}")
+        )
+        next_update = crl.next_update
         if next_update is None:
             raise CollateralError("collateral_invalid", "CRL without nextUpdate")
         return next_update

@@ -126,9 +126,9 @@ _OID_UCODE_SPL: Final = "1.3.6.1.4.1.3704.1.3.8"
 _OID_FMC_SPL: Final = "1.3.6.1.4.1.3704.1.3.9"
 _OID_HWID: Final = "1.3.6.1.4.1.3704.1.4"
 
-_AMD_LINKS: Final = RsaPssLinks(hash_algorithm=hashes.SHA384, salt_length=48)
-"""AMD's chain links: RSASSA-PSS, SHA-384, MGF1-SHA-384, salt 48 (fixed, not read from the
-certificate)."""
+AMD_SIGNATURES: Final = RsaPssLinks(hash_algorithm=hashes.SHA384, salt_length=48)
+"""AMD's signatures on certificates and CRLs: RSASSA-PSS, SHA-384, MGF1-SHA-384, salt 48 (fixed,
+not read from the certificate)."""
 _MAX_CERT: Final = 16 * 1024
 _CACHE_SIZE: Final = 256
 
@@ -566,7 +566,7 @@ def _chain_verifier(ark: ParsedCertificate) -> ChainVerifier:
     """The shared chain verifier for one pinned ARK (its self-signature checked here, once)."""
     return ChainVerifier(
         ark,
-        links=_AMD_LINKS,
+        links=AMD_SIGNATURES,
         leaf_curve=ec.SECP384R1,
         max_cert_size=_MAX_CERT,
         allow_nonpositive_serial=True,

@@ -19,6 +19,7 @@ the collateral code use it, and nothing else parses certificates, walks DER or c
   algorithm, an issuer that is not a CA), ``certificate_expired`` /
   ``certificate_not_yet_valid``, ``certificate_invalid`` (a certificate does not parse; a format
   error).
+* ``parse_crl``: the one strict CRL reader (Intel PCK/Root CA CRLs, AMD KDS CRLs).
 * ``verify_raw_ecdsa``: vendor signatures carried as big-endian ``r || s``.
 """
 
@@ -300,6 +301,63 @@ def load_pem_chain(data: bytes) -> tuple[bytes, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
+# strict CRL reading
+
+MAX_CRL_BYTES: Final = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCrl:
+    """A CRL every part of which this project reads was decoded once, without error or warning
+    (built only by ``parse_crl``). ``signature_valid`` is the caller's check, run inside the
+    strict decode (None when none was asked for)."""
+
+    crl: x509.CertificateRevocationList
+    issuer: x509.Name
+    issuer_text: str
+    last_update: datetime
+    next_update: datetime | None
+    revoked: frozenset[int]
+    signature: bytes
+    tbs: bytes
+    signature_valid: bool | None
+
+
+def parse_crl(
+    data: bytes,
+    fail: Callable[[str], AttestmeshError],
+    *,
+    signature_valid: Callable[[x509.CertificateRevocationList], bool] | None = None,
+    max_size: int = MAX_CRL_BYTES,
+) -> ParsedCrl:
+    """Parse a DER or PEM CRL strictly: anything ``cryptography`` raises or warns about while
+    decoding it (names, entries, algorithms, or the optional ``signature_valid`` check) is
+    ``fail(detail)``."""
+    if len(data) > max_size:
+        raise fail(f"{len(data)} bytes is too large")
+
+    def read() -> ParsedCrl:
+        if data.lstrip().startswith(b"-----BEGIN"):
+            crl = x509.load_pem_x509_crl(data)
+        else:
+            crl = x509.load_der_x509_crl(data)
+        name = crl.issuer
+        return ParsedCrl(
+            crl=crl,
+            issuer=name,
+            issuer_text=name.rfc4514_string(),
+            last_update=crl.last_update_utc,
+            next_update=crl.next_update_utc,
+            revoked=frozenset(r.serial_number for r in crl),
+            signature=crl.signature,
+            tbs=crl.tbs_certlist_bytes,
+            signature_valid=None if signature_valid is None else signature_valid(crl),
+        )
+
+    return decode_strictly(read, fail)
+
+
+# ---------------------------------------------------------------------------------------------
 # names and validity windows
 
 
@@ -494,15 +552,20 @@ class RsaPssLinks:
                 "chain_invalid",
                 f"{child.subject_text}: not RSASSA-PSS/{self.hash_algorithm.name}",
             )
-        pss = padding.PSS(mgf=padding.MGF1(self.hash_algorithm()), salt_length=self.salt_length)
-        try:
-            key.verify(
-                child.cert.signature, child.cert.tbs_certificate_bytes, pss, self.hash_algorithm()
-            )
-        except InvalidSignature:
+        if not self.signed(key, child.cert.signature, child.cert.tbs_certificate_bytes):
             raise EvidenceVerificationError(
                 "chain_invalid", f"{child.subject_text} not issued by {parent.subject_text}"
-            ) from None
+            )
+
+    def signed(self, key: rsa.RSAPublicKey, signature: bytes, data: bytes) -> bool:
+        """Whether ``signature`` is ``key``'s RSASSA-PSS signature (these parameters) on ``data``
+        (a certificate's TBS, or a CRL's)."""
+        pss = padding.PSS(mgf=padding.MGF1(self.hash_algorithm()), salt_length=self.salt_length)
+        try:
+            key.verify(signature, data, pss, self.hash_algorithm())
+        except InvalidSignature:
+            return False
+        return True
 
 
 @dataclass(frozen=True, slots=True)

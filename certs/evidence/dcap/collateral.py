@@ -19,8 +19,8 @@ from certs.evidence.claims import TcbStatus
 from certs.evidence.x509chain import (
     ParsedCertificate,
     Window,
-    decode_strictly,
     parse_certificates,
+    parse_crl,
 )
 
 
@@ -406,15 +406,6 @@ def load_certificates(pem_or_der: bytes, what: str) -> list[x509.Certificate]:
     return [c.cert for c in parse_certificate_chain(pem_or_der, what)]
 
 
-def load_crl(data: bytes, what: str) -> x509.CertificateRevocationList:
-    try:
-        if data.lstrip().startswith(b"-----BEGIN"):
-            return x509.load_pem_x509_crl(data)
-        return x509.load_der_x509_crl(data)
-    except ValueError as exc:
-        raise collateral_error(f"{what}: unreadable CRL") from exc
-
-
 @dataclass(frozen=True, slots=True)
 class VerifiedCrl:
     issuer_name: x509.Name
@@ -422,44 +413,18 @@ class VerifiedCrl:
     revoked: frozenset[int]
 
 
-@dataclass(frozen=True, slots=True)
-class _CrlFacts:
-    issuer: x509.Name
-    issuer_text: str
-    signature_valid: bool
-    last_update: datetime
-    next_update: datetime | None
-    revoked: frozenset[int]
-
-
-def _read_crl(data: bytes, issuer: ParsedCertificate, what: str) -> _CrlFacts:
-    """Decode every part of the CRL we use; any ``cryptography`` error or warning on the way
-    (undecodable names, entries, algorithms) is ``collateral_invalid``."""
-
-    def read() -> _CrlFacts:
-        crl = load_crl(data, what)
-        key = issuer.public_key
-        name = crl.issuer
-        return _CrlFacts(
-            issuer=name,
-            issuer_text=name.rfc4514_string(),
-            signature_valid=isinstance(key, ec.EllipticCurvePublicKey)
-            and crl.is_signature_valid(key),
-            last_update=crl.last_update_utc,
-            next_update=crl.next_update_utc,
-            revoked=frozenset(r.serial_number for r in crl),
-        )
-
-    return decode_strictly(
-        read, lambda detail: collateral_error(f"{what}: unreadable CRL: {detail}")
-    )
-
-
 def verify_crl(data: bytes, issuer: ParsedCertificate, what: str) -> VerifiedCrl:
     """A CRL (DER or PEM) ``issuer`` signed, read strictly (time-free: its ``window`` is checked
     by the caller): ``collateral_invalid``, ``crl_issuer_mismatch``,
     ``collateral_signature_invalid``."""
-    crl = _read_crl(data, issuer, what)
+    key = issuer.public_key
+    crl = parse_crl(
+        data,
+        lambda detail: collateral_error(f"{what}: unreadable CRL: {detail}"),
+        signature_valid=lambda crl: (
+            isinstance(key, ec.EllipticCurvePublicKey) and crl.is_signature_valid(key)
+        ),
+    )
     if crl.issuer != issuer.subject:
         raise EvidenceVerificationError(
             "crl_issuer_mismatch", f"{what} issued by {crl.issuer_text}"
