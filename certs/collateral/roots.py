@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import Encoding
-
-from certs.errors import CollateralError
+from certs.errors import CollateralError, EvidenceFormatError
+from certs.evidence.x509chain import parse_certificates
 
 NITRO_ROOT = "aws_nitro_enclaves_root_g1.pem"
 AMD_CHAINS = ("ask_ark_milan.pem", "ask_ark_genoa.pem", "asvk_ark_milan_vlek.pem")
@@ -51,15 +49,13 @@ class TrustRoots:
 
 
 def root_fingerprint(data: bytes) -> str:
-    """SHA-256 (hex) of the DER of the last certificate in ``data`` (PEM bundle or DER)."""
+    """SHA-256 (hex) of the DER of the last certificate in ``data`` (PEM bundle or DER), parsed
+    strictly (``certs.evidence.x509chain``) as the verifiers will."""
     try:
-        if b"-----BEGIN" in data:
-            cert = x509.load_pem_x509_certificates(data)[-1]
-        else:
-            cert = x509.load_der_x509_certificate(data)
-    except (ValueError, TypeError, IndexError) as exc:
-        raise CollateralError("root_invalid", str(exc)) from None
-    return hashlib.sha256(cert.public_bytes(Encoding.DER)).hexdigest()
+        cert = parse_certificates(data)[-1]
+    except EvidenceFormatError as exc:
+        raise CollateralError("root_invalid", exc.detail) from None
+    return hashlib.sha256(cert.der).hexdigest()
 
 
 def _bundled(name: str) -> bytes:
