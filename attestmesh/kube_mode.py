@@ -1,6 +1,8 @@
 """Kubernetes mode: the control plane fed by the cluster and acting on it.
 
-Wiring only (behaviour lives in ``xds.kube``, ``sidecar.inject`` and the control plane):
+Wiring only: this module builds the parts and starts their tasks; the behaviour lives in the
+Kubernetes adapter ``xds.kube`` (its ``__init__`` lists the modules), ``sidecar.inject`` and the
+control plane. What it wires:
 
 - AttestationPolicy CRs -> ``ControlPlane.set_policies`` (the documents in force; an invalid CR
   is refused by the adapter with a status condition and an Event, its previous version stays);
@@ -17,31 +19,31 @@ Wiring only (behaviour lives in ``xds.kube``, ``sidecar.inject`` and the control
   a new workload: nothing of the previous pod's standing carries over.
 - Lease leader election: only the leader writes to Kubernetes; every replica serves attestation.
 - ``KubePublisher`` wraps the xDS publisher: quarantine, release and audit events become pod
-  labels, conditions, Events, evictions and node taints (``KubeActions``), performed in order
-  by one worker. On winning the election, and every ``resync``, the quarantines in the
-  persisted state are re-applied (idempotent), so actions survive a restart or a failed call.
+  labels, conditions, Events, evictions and node taints (``xds.kube.actions``), performed in
+  order by one worker (``xds.kube.work``). On winning the election, and every ``resync``, the
+  quarantines in the persisted state are re-applied (idempotent), so actions survive a restart
+  or a failed call.
 - The sidecar-injection webhook is served in the same process, its serving certificate issued
-  from the mesh CA (or given), and its CA bundle written into the MutatingWebhookConfiguration.
+  from the mesh CA (or given), and its CA bundle written into the MutatingWebhookConfiguration
+  (``xds.kube.webhook``); an issued certificate is re-issued at half its lifetime, a failure
+  retried with backoff.
 - Trust bundle: the leader keeps the ConfigMap ``attestmesh-trust-bundle`` (key ``root.pem``,
   the mesh root bundle the API serves) in every namespace labelled ``attestmesh.dev/inject=
   enabled`` and every namespace where a pod carrying the injected annotation was seen (seen
   before it is registered: an injected pod cannot start until the ConfigMap exists). Injected
   agents verify the attestation API with it, injected Envoys the xDS server. Written when a
   namespace first needs it and re-checked on every re-apply (drift, a changed bundle, a
-  deleted ConfigMap); never deleted (public data, and pods may still mount it).
+  deleted ConfigMap); never deleted (public data, and pods may still mount it)
+  (``xds.kube.trustbundle``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import collections
-import contextlib
 import dataclasses
-import enum
 import logging
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -57,48 +59,47 @@ from attestmesh.listen import ListenLimits, start_aiohttp
 from attestmesh.metrics import Metrics
 from attestmesh.serve import Hooks
 from certs.ca import CertificateAuthority, issue_serving_credentials
-from certs.errors import AttestmeshError, PolicyError
-from certs.issuance import IdentityError
-from certs.policy import AttestationPolicy, Mode, OnFailure, policies_for
+from certs.errors import PolicyError
+from certs.policy import AttestationPolicy
 from certs.secrets_api import SecretPolicies
-from sidecar.inject import (
-    LABEL_INJECT,
-    TRUST_CONFIGMAP,
-    TRUST_KEY,
-    InjectConfig,
-    NamespaceLabels,
-    build_app,
-    webhook_counter,
-)
-from xds.build import TrustMaterial
+from sidecar.inject import InjectConfig, NamespaceLabels, build_app, webhook_counter
 from xds.kube import (
+    ActionQueue,
     KubeActions,
     KubeClient,
-    KubeError,
+    KubeConfigError,
     KubeMetrics,
+    KubePublisher,
     KubeSource,
     LeaderElector,
+    ServingCertRotator,
     SourceCallbacks,
     TokenReviewer,
-    TokenReviewError,
+    TokenReviewIdentity,
+    TrustBundles,
     Watcher,
     WatchSpec,
-    WorkloadRef,
-    check_pod_binding,
+    WebhookConfiguration,
+    Work,
+    WorkKind,
+    WorkPerformer,
+    build_work,
+    connect,
+    departed,
+    is_recreated,
+    parse_namespace,
+    renewal_wait,
+    should_evict,
 )
+from xds.kube.names import LABEL_INJECT, TOKEN_AUDIENCE
 from xds.meshpolicy import MeshPolicy
 from xds.publisher import XdsPublisher
 from xds.secretpolicy import SecretPolicy
-from xds.state import Event, EventKind, MeshState, Registration, Trigger
+from xds.state import Registration
 
 log = logging.getLogger(__name__)
 
-TOKEN_AUDIENCE = "attestmesh"  # noqa: S105 (an audience, the one the injector projects)
 WEBHOOK_CERT_TTL = timedelta(hours=24)
-
-
-class KubeConfigError(AttestmeshError):
-    """No usable Kubernetes client configuration."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,138 +135,6 @@ class KubeSettings:
         return (svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local")
 
 
-def connect(kubeconfig: Path | None, request_timeout: float = 10.0) -> KubeClient:
-    """A client from a kubeconfig file, or the in-cluster service account when None."""
-    from kubernetes import client, config
-
-    cfg = client.Configuration()
-    try:
-        if kubeconfig is not None:
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=str(kubeconfig), client_configuration=cfg
-            )
-        else:
-            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except (config.ConfigException, OSError, ValueError) as exc:
-        where = str(kubeconfig) if kubeconfig else "the in-cluster service account"
-        raise KubeConfigError(
-            "kube_config_invalid", f"cannot load Kubernetes configuration from {where}: {exc}"
-        ) from None
-    return KubeClient(client.ApiClient(cfg), request_timeout=request_timeout)
-
-
-# ---------------------------------------------------------------------------------------------
-# identity
-
-
-class TokenReviewIdentity:
-    """IdentityCheck: the agent's projected service-account token, checked with TokenReview,
-    must be bound to the registration's pod: namespace, service account, pod name and pod uid
-    (``xds.kube.check_pod_binding``). A refusal is logged; the API counts it."""
-
-    def __init__(self, reviewer: TokenReviewer, audience: str = TOKEN_AUDIENCE) -> None:
-        self._reviewer = reviewer
-        self._audience = audience
-
-    async def check(self, reg: Registration, token: str | None) -> None:
-        try:
-            check_pod_binding(await self._reviewer.verify_token(token or "", self._audience), reg)
-        except TokenReviewError as exc:
-            log.warning("identity refused for %s: %s: %s", reg.name, exc.reason, exc.detail)
-            raise IdentityError("identity_invalid", f"{exc.reason}: {exc.detail}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# actions: events -> work items, performed in order by one worker
-
-
-class WorkKind(enum.StrEnum):
-    QUARANTINE = "quarantine"
-    RELEASE = "release"
-    AUDIT = "audit"
-    REAPPLY = "reapply"
-    TRUST_BUNDLE = "trust_bundle"
-
-
-@dataclass(frozen=True, slots=True)
-class Work:
-    kind: WorkKind
-    workload: str = ""
-    reason: str = ""
-    trigger: Trigger = Trigger.OPERATOR
-    evict: bool = False
-    platform_failed: bool = False
-    namespace: str = ""  # TRUST_BUNDLE: where
-
-
-def should_evict(policies: Sequence[AttestationPolicy], reg: Registration) -> bool:
-    """Evict when an enforcing policy governing the workload says quarantineAndEvict."""
-    return any(
-        p.mode is Mode.ENFORCE and p.on_failure is OnFailure.QUARANTINE_AND_EVICT
-        for p in policies_for(policies, reg.namespace, reg.service_account, reg.labels)
-    )
-
-
-def build_work(
-    state: MeshState, events: Sequence[Event], policies: Sequence[AttestationPolicy]
-) -> list[Work]:
-    """What Kubernetes should do about these events. Pure. Workloads that are not pods
-    (names that are not ``<namespace>/<pod>``) are left alone."""
-    out: list[Work] = []
-    for e in events:
-        try:
-            WorkloadRef.parse(e.workload)
-        except ValueError:
-            continue
-        if e.kind is EventKind.QUARANTINED:
-            trigger = e.trigger or Trigger.OPERATOR
-            w = state.workloads.get(e.workload)
-            evict = w is not None and should_evict(policies, w.registration)
-            out.append(
-                Work(
-                    WorkKind.QUARANTINE,
-                    e.workload,
-                    e.reason,
-                    trigger,
-                    evict=evict,
-                    platform_failed=e.platform,
-                )
-            )
-        elif e.kind is EventKind.RELEASED:
-            out.append(Work(WorkKind.RELEASE, e.workload))
-        elif e.kind is EventKind.AUDIT:
-            out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.APPRAISAL_FAILED))
-        elif e.kind is EventKind.REFUSED:
-            out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.VERIFICATION_FAILED))
-    return out
-
-
-class KubePublisher:
-    """Publisher: xDS as before, then the events' Kubernetes actions queued for the worker."""
-
-    def __init__(self, inner: Publisher, mode: KubeMode) -> None:
-        self._inner = inner
-        self._mode = mode
-
-    def publish(
-        self,
-        state: MeshState,
-        mesh_policies: Sequence[MeshPolicy],
-        trust: TrustMaterial,
-        changed: Iterable[str] | None = None,
-    ) -> None:
-        self._inner.publish(state, mesh_policies, trust, changed)
-
-    def on_events(self, state: MeshState, events: Sequence[Event]) -> None:
-        self._inner.on_events(state, events)
-        for work in build_work(state, events, self._mode.policies):
-            self._mode.submit(work)
-
-
-# ---------------------------------------------------------------------------------------------
-# TLS for the webhook
-
-
 def _issue_webhook_tls(
     ca: CertificateAuthority,
     spiffe_id: str,
@@ -274,28 +143,12 @@ def _issue_webhook_tls(
     directory: Path,
     ttl: timedelta = WEBHOOK_CERT_TTL,
 ) -> tuple[Path, Path]:
+    """The webhook's serving certificate from the mesh CA (a module attribute: tests make it
+    fail)."""
     return issue_serving_credentials(
         ca, directory, "webhook", spiffe_id=spiffe_id, dns_names=dns_names,
         ips=("127.0.0.1",), now=now, ttl=ttl,
     )  # fmt: skip
-
-
-def renewal_wait(
-    failures: int, renew: timedelta, first_retry: timedelta, max_retry: timedelta
-) -> timedelta:
-    """How long to wait before the next re-issue of a serving certificate: ``renew`` after a
-    success (``failures == 0``); after consecutive failures ``first_retry`` doubling up to
-    ``max_retry``, never later than ``renew``."""
-    if failures < 0:
-        raise ValueError(f"failures must be >= 0, not {failures}")
-    if failures == 0:
-        return renew
-    backoff: timedelta = first_retry * (2 ** min(failures - 1, 32))
-    return min(backoff, max_retry, renew)
-
-
-# ---------------------------------------------------------------------------------------------
-# the mode
 
 
 class KubeMode:
@@ -315,6 +168,9 @@ class KubeMode:
         self.secret_policies = secret_policies  # secret release on: fed from SecretPolicy CRs
         self.kube_metrics = KubeMetrics(metrics.registry)
         self.namespaces = NamespaceLabels()
+        self._cp: ControlPlane | None = None
+        self.synced = asyncio.Event()
+        self.webhook_url: str | None = None
         self.elector = LeaderElector(
             kube,
             settings.identity,
@@ -326,7 +182,7 @@ class KubeMode:
         )
         self.actions = KubeActions(
             kube,
-            is_leader=lambda: self.elector.is_leader,
+            is_leader=self._is_leader,
             metrics=self.kube_metrics,
             instance=settings.identity,
             nodes=lambda name: self.source.nodes.get(name),
@@ -341,7 +197,7 @@ class KubeMode:
                 on_injected_pod=self._on_injected_pod,
                 on_secret_policies=self._on_secret_policies if secret_policies else None,
             ),
-            is_leader=lambda: self.elector.is_leader,
+            is_leader=self._is_leader,
             metrics=self.kube_metrics,
             watch_timeout=settings.watch_timeout,
             watch_nodes=True,
@@ -360,18 +216,31 @@ class KubeMode:
             watch_timeout=settings.watch_timeout,
         )
         self.identity = TokenReviewIdentity(TokenReviewer(kube), settings.token_audience)
-        self.synced = asyncio.Event()
-        self.webhook_url: str | None = None
+        self.trust = TrustBundles(kube, self.trust_bundle, own_namespace=settings.namespace)
+        self.webhook_config = (
+            None
+            if settings.webhook_configuration is None
+            else WebhookConfiguration(kube, settings.webhook_configuration)
+        )
+        self.queue = ActionQueue(
+            WorkPerformer(
+                self.actions,
+                self.trust,
+                is_leader=self._is_leader,
+                synced=self.synced,
+                state=lambda: self.cp.state,
+                policies=lambda: self.policies,
+                retry=lambda: self.queue.retry(),
+                webhook=self.webhook_config,
+            ),
+            is_leader=self._is_leader,
+            resync=settings.resync,
+        )
         # what the worker did lately, in order (ops and tests read it); bounded
-        self.completed: collections.deque[Work] = collections.deque(maxlen=1000)
-        self._queue: asyncio.Queue[Work] = asyncio.Queue()
-        self._retry = asyncio.Event()
-        self._cp: ControlPlane | None = None
-        self._ca_bundle: bytes | None = None
-        # namespaces that need the trust-bundle ConfigMap, and the bundle last written there
-        self.trust_namespaces: set[str] = set()
-        self._trust_written: dict[str, bytes] = {}
-        self._trust_queued: set[str] = set()
+        self.completed = self.queue.completed
+
+    def _is_leader(self) -> bool:
+        return self.elector.is_leader
 
     @property
     def policies(self) -> tuple[AttestationPolicy, ...]:
@@ -387,10 +256,10 @@ class KubeMode:
         )
 
     def _wrap(self, inner: XdsPublisher) -> Publisher:
-        return KubePublisher(inner, self)
+        return KubePublisher(inner, self.submit, lambda: self.policies)
 
     def submit(self, work: Work) -> None:
-        self._queue.put_nowait(work)
+        self.queue.submit(work)
 
     @property
     def cp(self) -> ControlPlane:
@@ -398,7 +267,19 @@ class KubeMode:
             raise RuntimeError("Kubernetes mode is not running")
         return self._cp
 
-    # -- source callbacks ---------------------------------------------------------------------
+    def trust_bundle(self) -> bytes:
+        """The mesh root bundle injected pods trust: the one the attestation API serves."""
+        return self.cp.ca.bundle_pem
+
+    async def drained(self) -> None:
+        """Wait until every transition decided so far was announced (the control plane
+        announces once durable) and every action queued was attempted (tests, shutdown)."""
+        if self._cp is not None:
+            await self._cp.flushed()
+            await asyncio.sleep(0)  # the announcement itself is a callback of durability
+        await self.queue.join()
+
+    # -- source callbacks -> the control plane ------------------------------------------------
 
     async def _on_policy_documents(self, docs: list[dict[str, Any]]) -> None:
         try:
@@ -420,9 +301,7 @@ class KubeMode:
 
     async def _on_registration(self, reg: Registration) -> None:
         current = self.cp.state.workloads.get(reg.name)
-        if current is not None and current.registration.pod_uid not in (None, reg.pod_uid):
-            # another pod under the same name (a StatefulSet pod recreated, possibly while this
-            # replica was down): the previous pod's attestation or quarantine is not this one's
+        if current is not None and is_recreated(current.registration.pod_uid, reg):
             self.cp.unregister(reg.name)
             log.info("pod %s was recreated (uid %s): registered afresh", reg.name, reg.pod_uid)
         self.cp.register([reg])
@@ -436,177 +315,28 @@ class KubeMode:
             await self._namespace_event("ADDED", item)
 
     async def _namespace_event(self, etype: str, obj: dict[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
-        name = meta.get("name")
-        if isinstance(name, str):
-            labels = {} if etype == "DELETED" else (meta.get("labels") or {})
-            self.namespaces.set(name, {str(k): str(v) for k, v in labels.items()})
-            if etype == "DELETED":
-                self.trust_namespaces.discard(name)
-                self._trust_written.pop(name, None)
-            elif labels.get(LABEL_INJECT) == "enabled":
-                self._need_trust_bundle(name)
+        parsed = parse_namespace(etype, obj)
+        if parsed is None:
+            return
+        name, labels = parsed
+        self.namespaces.set(name, labels)
+        if etype == "DELETED":
+            self.trust.forget(name)
+        elif labels.get(LABEL_INJECT) == "enabled":
+            self._need_trust_bundle(name)
 
     async def _on_injected_pod(self, namespace: str) -> None:
         self._need_trust_bundle(namespace)
 
     def _need_trust_bundle(self, namespace: str) -> None:
-        if namespace == self.settings.namespace:
-            return  # never injected (sidecar.inject)
-        self.trust_namespaces.add(namespace)
-        if not self.elector.is_leader or self._cp is None:
-            return  # a new leader's re-apply covers every namespace in trust_namespaces
-        if self._trust_written.get(namespace) == self.trust_bundle():
-            return
-        if namespace not in self._trust_queued:
-            self._trust_queued.add(namespace)
+        if self.trust.need(namespace, can_write=self._is_leader() and self._cp is not None):
             self.submit(Work(WorkKind.TRUST_BUNDLE, namespace=namespace))
-
-    # -- leadership ---------------------------------------------------------------------------
 
     def _on_leader_change(self, leader: bool) -> None:
         if leader:
             self.submit(Work(WorkKind.REAPPLY))
 
-    # -- the worker ---------------------------------------------------------------------------
-
-    async def _perform(self, work: Work) -> None:
-        if work.kind is WorkKind.QUARANTINE:
-            await self.actions.quarantine(
-                work.workload,
-                work.reason,
-                work.trigger,
-                evict=work.evict,
-                platform_failed=work.platform_failed,
-            )
-        elif work.kind is WorkKind.RELEASE:
-            await self.actions.release(work.workload)
-        elif work.kind is WorkKind.AUDIT:
-            await self.actions.record_audit(work.workload, work.reason, work.trigger)
-        elif work.kind is WorkKind.TRUST_BUNDLE:
-            self._trust_queued.discard(work.namespace)
-            if self.elector.is_leader and work.namespace in self.trust_namespaces:
-                await self.ensure_trust_bundle(work.namespace)
-        else:
-            if not self.elector.is_leader:
-                return
-            await self.synced.wait()  # the policies (eviction) and pods are known
-            state = self.cp.state
-            await self.actions.reapply(
-                state, lambda name: should_evict(self.policies, state.get(name).registration)
-            )
-            await self._write_ca_bundle()
-            failed: list[str] = []
-            for namespace in sorted(self.trust_namespaces):
-                try:
-                    await self.ensure_trust_bundle(namespace, cached=False)
-                except KubeError as exc:  # one namespace does not hold up the others
-                    log.warning("trust bundle in %s: %s", namespace, exc)
-                    failed.append(namespace)
-            if failed:
-                self._retry.set()
-
-    # -- trust bundle -------------------------------------------------------------------------
-
-    def trust_bundle(self) -> bytes:
-        """The mesh root bundle injected pods trust: the one the attestation API serves."""
-        return self.cp.ca.bundle_pem
-
-    async def ensure_trust_bundle(self, namespace: str, *, cached: bool = True) -> bool:
-        """Create or update the ``attestmesh-trust-bundle`` ConfigMap in ``namespace`` so that
-        ``root.pem`` is the current bundle; True when it wrote. Idempotent: reads first, and an
-        unchanged ConfigMap is not written (``cached``: not even read when this replica wrote
-        the same bundle there)."""
-        bundle = self.trust_bundle()
-        if cached and self._trust_written.get(namespace) == bundle:
-            return False
-        kube, text = self.kube, bundle.decode()
-        labels = {
-            "app.kubernetes.io/managed-by": "attestmesh",
-            "app.kubernetes.io/part-of": "attestmesh",
-        }
-        for _ in range(2):  # a create that lost a race is followed by one read-and-update
-            try:
-                current = await kube.call(
-                    kube.core.read_namespaced_config_map, TRUST_CONFIGMAP, namespace
-                )
-            except KubeError as exc:
-                if exc.status != 404:
-                    raise
-                body = {
-                    "apiVersion": "v1",
-                    "kind": "ConfigMap",
-                    "metadata": {"name": TRUST_CONFIGMAP, "namespace": namespace, "labels": labels},
-                    "data": {TRUST_KEY: text},
-                }
-                try:
-                    await kube.call(kube.core.create_namespaced_config_map, namespace, body)
-                except KubeError as exc2:
-                    if exc2.status == 409:
-                        continue
-                    raise
-                log.info("created ConfigMap %s/%s (mesh trust bundle)", namespace, TRUST_CONFIGMAP)
-                self._trust_written[namespace] = bundle
-                return True
-            meta = current.get("metadata") or {}
-            data = current.get("data") or {}
-            have_labels = meta.get("labels") or {}
-            if data.get(TRUST_KEY) == text and labels.items() <= have_labels.items():
-                self._trust_written[namespace] = bundle
-                return False
-            current["data"] = {**data, TRUST_KEY: text}
-            binary = current.get("binaryData")
-            if isinstance(binary, dict):
-                binary.pop(TRUST_KEY, None)  # a key may not be in both
-            meta["labels"] = {**have_labels, **labels}
-            current["metadata"] = meta  # resourceVersion kept: a concurrent writer gets 409
-            await kube.call(
-                kube.core.replace_namespaced_config_map, TRUST_CONFIGMAP, namespace, current
-            )
-            log.info("updated ConfigMap %s/%s (mesh trust bundle)", namespace, TRUST_CONFIGMAP)
-            self._trust_written[namespace] = bundle
-            return True
-        raise KubeError("conflict", f"ConfigMap {namespace}/{TRUST_CONFIGMAP} keeps changing", 409)
-
-    async def _worker(self) -> None:
-        while True:
-            work = await self._queue.get()
-            try:
-                await self._perform(work)
-            except (KubeError, AttestmeshError) as exc:
-                # idempotent actions: the next re-apply repairs what this one missed
-                what = work.workload or work.namespace
-                log.warning("kubernetes %s of %s failed: %s", work.kind, what, exc)
-                self._retry.set()
-            finally:
-                self.completed.append(work)
-                self._queue.task_done()
-
-    async def _resync(self, stop: asyncio.Event) -> None:
-        backoff = 1.0
-        while not stop.is_set():
-            wait = self.settings.resync.total_seconds()
-            if self._retry.is_set():
-                wait, backoff = min(backoff, wait), min(backoff * 2, wait)
-            else:
-                backoff = 1.0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
-            if stop.is_set():
-                return
-            self._retry.clear()
-            if self.elector.is_leader:
-                self.submit(Work(WorkKind.REAPPLY))
-
-    async def drained(self) -> None:
-        """Wait until every transition decided so far was announced (the control plane
-        announces once durable) and every action queued was attempted (tests, shutdown)."""
-        if self._cp is not None:
-            await self._cp.flushed()
-            await asyncio.sleep(0)  # the announcement itself is a callback of durability
-        await self._queue.join()
-
-    # -- webhook ------------------------------------------------------------------------------
+    # -- webhook TLS --------------------------------------------------------------------------
 
     def _webhook_tls(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -615,7 +345,8 @@ class KubeMode:
             ctx.load_cert_chain(s.webhook_cert, s.webhook_key)
             return ctx
         self._load_issued(ctx)
-        self._ca_bundle = self.cp.ca.bundle_pem
+        if self.webhook_config is not None:
+            self.webhook_config.bundle = self.cp.ca.bundle_pem
         return ctx
 
     def _load_issued(self, ctx: ssl.SSLContext) -> None:
@@ -630,74 +361,14 @@ class KubeMode:
         )
         ctx.load_cert_chain(cert, key)
 
-    async def _rotate_webhook_cert(self, ctx: ssl.SSLContext, stop: asyncio.Event) -> None:
-        """Re-issue the webhook's serving certificate at half its lifetime (new handshakes
-        use the new one). A failed re-issue is logged, counted and retried with backoff: it
-        must not end the task group, and with it the control plane (the current certificate
-        stays valid for the other half)."""
-        s = self.settings
-        renew, (first, cap) = s.webhook_cert_ttl / 2, s.webhook_cert_retry
+    def _webhook_rotator(self, ctx: ssl.SSLContext) -> ServingCertRotator:
         counter = self.metrics.serving_cert_renewals
-        failures = 0
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                wait = renewal_wait(failures, renew, first, cap)
-                await asyncio.wait_for(stop.wait(), wait.total_seconds())
-            if stop.is_set():
-                return
-            try:
-                self._load_issued(ctx)
-            except Exception:  # any failure: the webhook keeps serving its current certificate
-                failures += 1
-                counter.labels(listener="webhook", result="failed").inc()
-                log.exception("could not renew the webhook's serving certificate (%d)", failures)
-            else:
-                failures = 0
-                counter.labels(listener="webhook", result="ok").inc()
-
-    async def _write_ca_bundle(self) -> None:
-        name = self.settings.webhook_configuration
-        if name is None or self._ca_bundle is None or not self.elector.is_leader:
-            return
-        from kubernetes import client
-
-        api = client.AdmissionregistrationV1Api(self.kube.api_client)
-        try:
-            current = await self.kube.call(api.read_mutating_webhook_configuration, name)
-        except KubeError as exc:
-            if exc.status == 404:
-                log.warning("MutatingWebhookConfiguration %s not found: caBundle not set", name)
-                return
-            raise
-        bundle = base64.b64encode(self._ca_bundle).decode()
-        ops: list[dict[str, Any]] = []
-        for i, h in enumerate(current.get("webhooks") or []):
-            config = h.get("clientConfig")
-            if isinstance(config, dict) and config.get("caBundle") == bundle:
-                continue
-            # the test op makes a concurrent reordering fail instead of patching the wrong hook
-            ops.append({"op": "test", "path": f"/webhooks/{i}/name", "value": h.get("name")})
-            if isinstance(config, dict):
-                ops.append(
-                    {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle}
-                )
-            else:
-                ops.append(
-                    {
-                        "op": "add",
-                        "path": f"/webhooks/{i}/clientConfig",
-                        "value": {"caBundle": bundle},
-                    }
-                )
-        if not ops:
-            return
-        await self.kube.call(
-            api.patch_mutating_webhook_configuration,
-            name,
-            ops,
-            _content_type="application/json-patch+json",
+        return ServingCertRotator(
+            lambda: self._load_issued(ctx),
+            ttl=self.settings.webhook_cert_ttl,
+            retry=self.settings.webhook_cert_retry,
+            on_result=lambda result: counter.labels(listener="webhook", result=result).inc(),
         )
-        log.info("wrote caBundle into MutatingWebhookConfiguration %s", name)
 
     # -- probes -------------------------------------------------------------------------------
 
@@ -727,8 +398,6 @@ class KubeMode:
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
         return app
-
-    # -- run ----------------------------------------------------------------------------------
 
     async def run(self, cp: ControlPlane, stop: asyncio.Event) -> None:
         """Watch, elect, act and serve the webhook until ``stop`` is set."""
@@ -772,18 +441,19 @@ class KubeMode:
                     tg.create_task(self.elector.run()),
                     tg.create_task(self.source.run()),
                     tg.create_task(self.namespace_watcher.run()),
-                    tg.create_task(self._worker()),
-                    tg.create_task(self._resync(stop)),
+                    tg.create_task(self.queue.worker()),
+                    tg.create_task(self.queue.resync_loop(stop)),
                     tg.create_task(self._after_sync()),
                 ]
                 if webhook_ctx is not None and s.webhook_cert is None:
-                    tasks.append(tg.create_task(self._rotate_webhook_cert(webhook_ctx, stop)))
+                    rotator = self._webhook_rotator(webhook_ctx)
+                    tasks.append(tg.create_task(rotator.run(stop)))
                 await stop.wait()
                 was_leader = self.elector.is_leader
                 for t in tasks:
                     t.cancel()
             if was_leader:
-                await self._release_lease()
+                await self.elector.release()
         finally:
             for runner in runners:
                 await runner.cleanup()
@@ -792,31 +462,15 @@ class KubeMode:
         await self.source.wait_synced()
         await self.namespace_watcher.synced.wait()
         # pods deleted while no replica was watching: forget them
-        live = set(self.source.pods)
-        for name in sorted(set(self.cp.state.workloads) - live):
-            if "/" in name:  # a pod's workload name; local registrations are left alone
-                self.cp.unregister(name)
+        for name in departed(self.cp.state.workloads, self.source.pods):
+            self.cp.unregister(name)
         self.synced.set()
 
-    async def _release_lease(self) -> None:
-        """Hand the Lease over at shutdown: the next replica need not wait for it to expire."""
-        kube, s = self.kube, self.settings
-        try:
-            lease = await kube.call(
-                kube.coordination.read_namespaced_lease, s.lease_name, s.namespace
-            )
-            spec = lease.get("spec") or {}
-            if spec.get("holderIdentity") != s.identity:
-                return
-            lease["spec"] = {**spec, "holderIdentity": None}
-            await kube.call(
-                kube.coordination.replace_namespaced_lease, s.lease_name, s.namespace, lease
-            )
-        except KubeError as exc:  # it expires on its own
-            log.warning("could not release the lease %s: %s", s.lease_name, exc)
 
-
+# Re-exported for the callers and tests that import them from here (their home is xds.kube).
 __all__ = [
+    "TOKEN_AUDIENCE",
+    "WEBHOOK_CERT_TTL",
     "KubeConfigError",
     "KubeMode",
     "KubePublisher",

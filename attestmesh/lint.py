@@ -54,22 +54,26 @@ from typing import Any, TextIO
 
 import yaml
 
-DP_LABEL = "aws-nitro-enclaves-k8s-dp"
+# The shared Kubernetes names (one definition, xds.kube.names), under this module's names. The
+# enclave NodePool's label is also the device plugin's container name; INJECT_KEY is the pod
+# label enabled|disabled, and the annotation "false" opts out.
+from xds.kube.names import HUGEPAGES_1GI as RES_HUGEPAGES
+from xds.kube.names import HUGEPAGES_1GI_MEDIUM as HUGEPAGES_MEDIUM
+from xds.kube.names import LABEL_INJECT as INJECT_KEY
+from xds.kube.names import NITRO_DP_LABEL as DP_CONTAINER
+from xds.kube.names import NITRO_DP_LABEL as DP_LABEL
+from xds.kube.names import NITRO_ENCLAVE_CPUS as RES_ENCLAVE_CPUS
+from xds.kube.names import NITRO_ENCLAVES as RES_ENCLAVES
+from xds.kube.names import NITRO_RESOURCE_PREFIX as NITRO_PREFIX
+
 DP_LABEL_VALUE = "enabled"
 DP_DAEMONSET = "aws-nitro-enclaves-k8s-daemonset"
-DP_CONTAINER = "aws-nitro-enclaves-k8s-dp"
 DP_IMAGE = "aws-nitro-enclaves-k8s-device-plugin"
 CPU_ADVERTISEMENT = "ENCLAVE_CPU_ADVERTISEMENT"
-RES_ENCLAVES = "aws.ec2.nitro/nitro_enclaves"
-RES_ENCLAVE_CPUS = "aws.ec2.nitro/nitro_enclaves_cpus"
-RES_HUGEPAGES = "hugepages-1Gi"
-HUGEPAGES_MEDIUM = "HugePages-1Gi"
-NITRO_PREFIX = "aws.ec2.nitro/"
 LABEL_INSTANCE_CPU = "karpenter.k8s.aws/instance-cpu"
 LABEL_INSTANCE_MEMORY = "karpenter.k8s.aws/instance-memory"
 ANNOTATION_ALLOCATOR = "attestmesh.dev/enclave-allocator"
 ANNOTATION_ALLOCATABLE_CPU = "attestmesh.dev/node-allocatable-cpu"
-INJECT_KEY = "attestmesh.dev/inject"  # pod label enabled|disabled; annotation "false" opts out
 _WELL_KNOWN_PREFIXES = (
     "karpenter.k8s.aws/",
     "karpenter.sh/",

@@ -27,12 +27,12 @@ env and is the workload's registration name (``xds.kube.workload_name``) and Env
 
 The mesh root bundle comes from the ConfigMap ``attestmesh-trust-bundle`` (key ``root.pem``),
 mounted read-only at ``/etc/attestmesh/trust`` into all three; the control plane keeps it in
-every namespace with injected pods (``attestmesh.kube_mode``). The volume is not optional: a pod
+every namespace with injected pods (``xds.kube.trustbundle``). The volume is not optional: a pod
 whose namespace lacks it waits in ContainerCreating instead of trusting nothing or anything.
 All three run as one non-root uid (``InjectConfig.sidecar_uid``) so that Envoy may connect to
 the agent's 0600 socket. The inbound port is the pod's ``attestmesh.dev/inbound-port``
 annotation, else ``InjectConfig.inbound_port``, written back onto the pod so the registration
-(``xds.kube.pod_ports``) and the probes agree; a pod without an application port
+(``xds.kube.workloads.pod_ports``) and the probes agree; a pod without an application port
 (``attestmesh.dev/app-port`` or a containerPort) is refused: it would never be registered and
 its proxy would never become ready.
 
@@ -126,19 +126,27 @@ from prometheus_client import CollectorRegistry, Counter
 
 from certs.evidence.claims import Tee
 from certs.evidence.composite import MAX_GPUS
-from xds.kube import (
+from xds.kube.names import (
     ANNOTATION_APP_PORT,
     ANNOTATION_INBOUND_PORT,
+    ANNOTATION_INJECT,
     ANNOTATION_INJECTED,
     DEFAULT_INBOUND_PORT,
-    pod_ports,
+    HUGEPAGES_1GI,
+    HUGEPAGES_1GI_MEDIUM,
+    LABEL_INJECT,
+    NITRO_DP_LABEL,
+    NITRO_ENCLAVE_CPUS,
+    NITRO_ENCLAVES,
+    TOKEN_AUDIENCE,
+    TRUST_CONFIGMAP,
+    TRUST_KEY,
 )
+from xds.kube.workloads import pod_ports
 
 log = logging.getLogger(__name__)
 
-ANNOTATION_INJECT = "attestmesh.dev/inject"
 ANNOTATION_TEE = "attestmesh.dev/tee"
-LABEL_INJECT = "attestmesh.dev/inject"
 LABEL_TEE = "attestmesh.dev/tee"
 
 BOOTSTRAP_CONTAINER = "attestmesh-bootstrap"
@@ -159,11 +167,10 @@ VOLUME_NAMES = (
     NITRO_RUN_VOLUME, NITRO_LOG_VOLUME,
 )  # fmt: skip
 
-# The mesh root bundle: the control plane keeps this ConfigMap in every namespace with injected
-# pods (attestmesh.kube_mode); the agent verifies the attestation API with it and Envoy the xDS
-# server. A pod whose namespace lacks it waits in ContainerCreating (the volume is not optional).
-TRUST_CONFIGMAP = "attestmesh-trust-bundle"
-TRUST_KEY = "root.pem"
+# The mesh root bundle (TRUST_CONFIGMAP, key TRUST_KEY: xds.kube.names): the control plane keeps
+# it in every namespace with injected pods (xds.kube.trustbundle); the agent verifies the
+# attestation API with it and Envoy the xDS server. A pod whose namespace lacks it waits in
+# ContainerCreating (the volume is not optional).
 TRUST_DIR = "/etc/attestmesh/trust"
 TRUST_BUNDLE = f"{TRUST_DIR}/{TRUST_KEY}"
 SDS_DIR = "/var/run/attestmesh"
@@ -172,16 +179,11 @@ BOOTSTRAP_DIR = "/etc/attestmesh/envoy"
 BOOTSTRAP_FILE = f"{BOOTSTRAP_DIR}/bootstrap.json"
 TOKEN_DIR = "/var/run/secrets/attestmesh"  # noqa: S105 (a path)
 TOKEN_PATH = f"{TOKEN_DIR}/token"
-TOKEN_AUDIENCE = "attestmesh"  # noqa: S105 (an audience)
 SIM_DIR = "/etc/attestmesh/sim"
 # The workload (registration) name and Envoy node id, ``xds.kube.workload_name``: the kubelet
 # expands $(VAR) in command and args from the container's env (POD_NAMESPACE, POD_NAME).
 WORKLOAD_REF = "$(POD_NAMESPACE)/$(POD_NAME)"
 
-NITRO_ENCLAVES = "aws.ec2.nitro/nitro_enclaves"
-NITRO_ENCLAVE_CPUS = "aws.ec2.nitro/nitro_enclaves_cpus"
-HUGEPAGES_1GI = "hugepages-1Gi"
-NITRO_TAINT_KEY = "aws-nitro-enclaves-k8s-dp"
 ANNOTATION_ENCLAVE_IMAGE = "attestmesh.dev/enclave-image"
 ANNOTATION_ENCLAVE_EIF = "attestmesh.dev/enclave-eif"
 ANNOTATION_ENCLAVE_PEERS = "attestmesh.dev/enclave-peers"
@@ -728,7 +730,7 @@ def _volumes(tee: Tee, cfg: InjectConfig) -> list[dict[str, Any]]:
     ]
     if tee is Tee.NITRO:
         vols = [v for v in vols if v["name"] in (TOKEN_VOLUME, TRUST_VOLUME)]
-        vols.append({"name": HUGEPAGES_VOLUME, "emptyDir": {"medium": "HugePages-1Gi"}})
+        vols.append({"name": HUGEPAGES_VOLUME, "emptyDir": {"medium": HUGEPAGES_1GI_MEDIUM}})
         for name in (NITRO_RUN_VOLUME, NITRO_LOG_VOLUME):
             vols.append({"name": name, "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}})
     elif tee is Tee.SIM and cfg.sim is not None:
@@ -760,7 +762,7 @@ def _inject(
         annotations = meta["annotations"] = {}
     annotations[ANNOTATION_INJECTED] = "true"
     annotations[ANNOTATION_TEE] = tee.value
-    # written out so the registration (xds.kube.pod_ports) and the Envoy probe agree
+    # written out so the registration (xds.kube.workloads.pod_ports) and the Envoy probe agree
     annotations[ANNOTATION_INBOUND_PORT] = str(inbound_port)
     init = spec.get("initContainers") or []
     if tee is Tee.NITRO:  # agent and Envoy run inside the enclave
@@ -782,7 +784,7 @@ def _inject(
         _inject_secrets(spec, secrets, cfg)
     if tee is Tee.NITRO:
         toleration = {
-            "key": NITRO_TAINT_KEY,
+            "key": NITRO_DP_LABEL,
             "operator": "Equal",
             "value": "enabled",
             "effect": "NoSchedule",
