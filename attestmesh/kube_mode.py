@@ -55,13 +55,13 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh.controlplane import ControlPlane, Publisher
+from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.listen import ListenLimits, start_aiohttp
 from attestmesh.metrics import Metrics
 from attestmesh.serve import Hooks
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import PolicyError
 from certs.policy import AttestationPolicy
-from certs.secrets_api import SecretPolicies
 from sidecar.inject import InjectConfig, NamespaceLabels, build_app, webhook_counter
 from xds.kube import (
     ActionQueue,
