@@ -47,6 +47,7 @@ from certs.evidence.claims import Claims, Collateral, Detail, Tee, evidence_dige
 from certs.evidence.x509chain import (
     ChainVerifier,
     EcdsaLinks,
+    Lru,
     load_pem_chain,
     verify_raw_ecdsa,
 )
@@ -247,7 +248,7 @@ class NvidiaGpuVerifier:
             root, links=EcdsaLinks(ec.SECP384R1, hashes.SHA384), leaf_curve=ec.SECP384R1
         )
         self._default_chain = load_pem_chain(cert_chain) if cert_chain is not None else None
-        self._pem_cache: dict[bytes, tuple[bytes, ...]] = {}
+        self._pem_cache: Lru[bytes, tuple[bytes, ...]] = Lru(64)
 
     @property
     def tee(self) -> Tee:
@@ -261,13 +262,7 @@ class NvidiaGpuVerifier:
                     "collateral_missing", f"need collateral {COLLATERAL_CERT_CHAIN!r} (PEM)"
                 )
             return self._default_chain
-        cached = self._pem_cache.get(pem)
-        if cached is None:
-            cached = load_pem_chain(pem)
-            if len(self._pem_cache) > 64:
-                self._pem_cache.clear()
-            self._pem_cache[pem] = cached
-        return cached
+        return self._pem_cache.get_or(pem, lambda: load_pem_chain(pem))
 
     def verify(self, evidence: bytes, *, now: datetime, collateral: Collateral) -> Claims:
         report = parse_measurement_report(evidence)
