@@ -6,7 +6,8 @@ blocks on a slow consumer, and a consumer that wakes late simply reads the newes
 
 Snapshots may be built on demand: with a ``source``, ``get`` builds a node's snapshot the first
 time it is asked for (a node with no stream costs nothing), and ``invalidate`` drops what a change
-made stale, rebuilding at once only the nodes a stream is watching.
+made stale, rebuilding at once only the nodes a stream is watching. Streams are woken in the
+order ``set_snapshot``/``update``/``invalidate`` are called: a publisher decides who hears first.
 """
 
 from __future__ import annotations
@@ -37,10 +38,17 @@ class SnapshotCache:
         self._snapshots: dict[str, Snapshot] = {}
         self._watches: dict[str, set[Watch]] = {}
         self._source = source
+        self._settle: Callable[[str], None] | None = None
         self.built = 0  # snapshots built through the source (tests and benchmarks read it)
 
     def set_source(self, source: Source | None) -> None:
         self._source = source
+
+    def set_settle(self, settle: Callable[[str], None] | None) -> None:
+        """``settle(node)`` runs before ``get`` reads a node's snapshot: a publisher that
+        patches held snapshots a chunk at a time brings the one asked for up to date first,
+        so a reader never gets a snapshot older than the state last published."""
+        self._settle = settle
 
     def set_snapshot(self, node: str, snapshot: Snapshot) -> None:
         """Publish ``snapshot`` as ``node``'s configuration and wake its streams."""
@@ -69,6 +77,10 @@ class SnapshotCache:
                 self._snapshots[node] = new
                 for watch in self._watches.get(node, ()):
                     watch.changed.set()
+
+    def has(self, node: str) -> bool:
+        """A snapshot of ``node`` is held."""
+        return node in self._snapshots
 
     def held(self) -> Iterable[str]:
         """Nodes whose snapshot is held (a live view: do not change the cache while iterating)."""
@@ -107,6 +119,8 @@ class SnapshotCache:
         self._snapshots.pop(node, None)
 
     def get(self, node: str) -> Snapshot | None:
+        if self._settle is not None:
+            self._settle(node)
         snapshot = self._snapshots.get(node)
         if snapshot is None:
             snapshot = self._build(node)

@@ -144,6 +144,10 @@ class Affected:
     own: bool
     services: frozenset[ServiceKey]
     principals: frozenset[Identity]  # callers' identities whose rules must be recompiled
+    # Something the old record was granted is taken back (its endpoint or identity leaves the
+    # services it served; its identity or claims no longer what destinations admitted): the
+    # nodes that depend on it must hear first, before changes that only grant.
+    withdraws: bool = False
 
 
 def _serving(w: WorkloadState | None, td: str) -> tuple[object, ...] | None:
@@ -171,12 +175,15 @@ def affected_by(
     new_att = new is not None and new.status is Status.ATTESTED
     own = new is not None and (old_reg != new_reg or old_att != new_att)
     services: set[ServiceKey] = set()
-    if _serving(old, trust_domain) != _serving(new, trust_domain):
+    withdraws = False
+    if (serving := _serving(old, trust_domain)) != _serving(new, trust_domain):
         services |= {k for r in (old_reg, new_reg) if r is not None and (k := service_key(r))}
+        withdraws = serving is not None
     principals: set[Identity] = set()
-    if _calling(old) != _calling(new):
+    if (calling := _calling(old)) != _calling(new):
         principals |= {principal_of(r) for r in (old_reg, new_reg) if r is not None}
-    return Affected(own, frozenset(services), frozenset(principals))
+        withdraws = withdraws or calling is not None
+    return Affected(own, frozenset(services), frozenset(principals), withdraws)
 
 
 def changed_names(old: Mapping[str, WorkloadState], new: Mapping[str, WorkloadState]) -> set[str]:
