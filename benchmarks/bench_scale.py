@@ -252,6 +252,12 @@ FIGURES: list[tuple[str, str, str, Target | None]] = [
         "ms",
         None,
     ),
+    (
+        "envoy_routed_away_p99_ms",
+        "quarantine: ops call returned -> caller Envoys' own EDS dropped w1, p99",
+        "ms",
+        None,
+    ),
     ("first_attest_cpu_ms", "first attestation of a new workload: CPU at N", "ms", None),
     ("first_attest_cpu_100_ms", "first attestation of a new workload: CPU at N=100", "ms", None),
     ("first_attest_ratio", "first attestation CPU at N / at N=100", "x", Target("<=", 1.5, "x")),
@@ -354,6 +360,7 @@ class MeshRun:
         self.refused_ms: list[float] = []
         self.refused_lo_ms: list[float] = []
         self.refused_sent_ms: list[float] = []
+        self.routed_away_ms: list[float] = []  # the callers' own endpoints, not w1's RBAC
         self.files = write_config(self.d, self.mesh, self.new, sim_pub)
         self.sim_key = sim_key
         ports = {"api": free_port(), "xds": free_port(), "ops": free_port()}
@@ -659,6 +666,12 @@ class MeshRun:
             (w[0] - t_ret) * 1e3 for w in windows if w is not None and w[0] is not None
         ]
         self.refused_sent_ms += [(w[1] - t_send) * 1e3 for w in windows if w is not None]
+        away = [math.inf if a is None else (a - t_ret) * 1e3 for a in em.routed_away(t_send)]
+        self.routed_away_ms += away
+        log(
+            f"N={self.n}: round {round_no}: caller Envoys' own EDS dropped w1 after "
+            f"{', '.join(f'{x:.1f}' for x in sorted(away))} ms"
+        )
         early = sum(x < 0 for x in lat)
         log(
             f"N={self.n}: round {round_no}: caller Envoys refused after "
@@ -704,6 +717,8 @@ class MeshRun:
         if self.refused_ms:
             f.set("envoy_refused_p99_ms", percentile(self.refused_ms, 99))
             f.set("envoy_refused_p50_ms", statistics.median(self.refused_ms))
+            if self.routed_away_ms:
+                f.set("envoy_routed_away_p99_ms", percentile(self.routed_away_ms, 99))
             lo = percentile(self.refused_lo_ms, 99) if self.refused_lo_ms else math.nan
             f.notes.append(
                 f"envoys: refusal measured {len(self.refused_ms)} times (callers x rounds), max "

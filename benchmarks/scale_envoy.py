@@ -40,6 +40,7 @@ from sidecar.envoy_proc import EnvoyProcess
 from sidecar.sds import LocalSds, start_sds
 
 TRUST_DOMAIN = "attestmesh.local"  # the control plane's default
+VICTIM_REFUSED = 403  # the victim's Envoy refusing by RBAC (the lean members answer 503)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,20 @@ class Prober:
             if s.t1 < since:
                 continue
             if s.answered_by_victim:
+                run = []
+            else:
+                run.append(s.t1)
+        return run[self.rotation - 1] if len(run) >= self.rotation else None
+
+    def routed_away_at(self, since: float) -> float | None:
+        """Like ``refused_at``, but counting a refusal by the victim's own Envoy (403: its
+        inbound RBAC admits nobody once it has its quarantined configuration) as the victim's:
+        the moment this caller's own Envoy stopped sending to the victim (its endpoints)."""
+        run: list[float] = []
+        for s in self.samples:
+            if s.t1 < since:
+                continue
+            if s.answered_by_victim or s.status == VICTIM_REFUSED:
                 run = []
             else:
                 run.append(s.t1)
@@ -277,6 +292,10 @@ class EnvoyMesh:
             at = p.refused_at(since)
             out.append(None if at is None else (p.last_answered_before(at), at))
         return out, sum(p.flaps(since) for p in self.probers)
+
+    def routed_away(self, since: float) -> list[float | None]:
+        """Per caller, when its own Envoy stopped routing to the victim (None: not seen)."""
+        return [p.routed_away_at(since) for p in self.probers]
 
     def dump(self, path: Path, since: float, origin: float) -> None:
         """Every caller's samples after ``since`` (times in ms from ``origin``), for reading

@@ -54,3 +54,15 @@ def test_with_other_members_refusal_needs_a_whole_rotation_without_the_victim() 
     assert p.flaps(since=0.0) == 0  # answers in turn before the refusal are no flaps
     p.samples.append(Sample(9, 9.5, True, 200, "hello from w1"))
     assert p.flaps(since=0.0) == 1
+
+
+def test_the_victims_own_refusal_is_not_the_callers_routing_away() -> None:
+    """403 is the victim's Envoy refusing (its RBAC): a refusal, but the caller's Envoy still
+    sends to it; routed away only once ``rotation`` answers in a row came from elsewhere."""
+    p = prober((0, True), (1, False), rotation=2)
+    p.samples.append(Sample(2, 2.5, False, 403, "RBAC: access denied"))
+    p.samples.append(Sample(3, 3.5, False, 503, "x"))
+    assert p.refused_at(since=0.0) == 2.5  # 403 and 503 in a row: refused
+    assert p.routed_away_at(since=0.0) is None  # the 403 came through the victim
+    p.samples.append(Sample(4, 4.5, False, 503, "x"))
+    assert p.routed_away_at(since=0.0) == 4.5
