@@ -298,6 +298,11 @@ class Cluster:
             ),
         )
         self.admin = self.user_kubeconfig("test-admin", ("system:masters",))
+        # a user that is not a service account, with a static bearer token
+        self.static_user = ("alice", f"alice-{os.urandom(8).hex()}")
+        self.token_file = self._write(
+            "tokens.csv", f"{self.static_user[1]},alice,u-alice\n".encode()
+        )
         # every request of a service account, at Metadata level (who, verb, resource, code):
         # what the control plane's RBAC is checked against
         self.audit_policy = self.workdir / "audit-policy.yaml"
@@ -349,10 +354,13 @@ class Cluster:
                 f"--tls-cert-file={self.serving[0]}",
                 f"--tls-private-key-file={self.serving[1]}",
                 f"--client-ca-file={self.ca_file}",
+                f"--token-auth-file={self.token_file}",
                 f"--service-account-issuer={self.server}",
                 f"--service-account-key-file={self.sa_pub}",
                 f"--service-account-signing-key-file={self.sa_key}",
-                f"--api-audiences={self.server}",
+                # attestmesh among them: audience-unaware authenticators (the static tokens
+                # below, as OIDC or webhook ones in a real cluster) vouch for it too
+                f"--api-audiences={self.server},attestmesh",
                 "--authorization-mode=RBAC",
                 "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,"
                 "MutatingAdmissionWebhook,ValidatingAdmissionWebhook",

@@ -1,8 +1,13 @@
-"""The control plane in Kubernetes mode against a real API server, for the tests in
-tests/kube_real: ``make_env`` (namespaces, service accounts, the control plane's kubeconfig
+"""The control plane in Kubernetes mode in this process, so tests can read its state: the one
+set-up of it for every test (tests/kube_real against the real API servers, and the few
+tests/component tests that keep tests/fakekube for faults a real server cannot be made to
+produce).
+
+``kube_plane`` runs what ``attestmesh controlplane --kubernetes`` runs against any API server
+(a ``KubeClient``); ``make_env`` (namespaces, service accounts, the control plane's kubeconfig
 holding a real TokenRequest token of the manifests' ServiceAccount, the webhook configuration
-pointed at loopback) and ``control_plane`` (what ``attestmesh controlplane --kubernetes``
-runs, in this process so tests can read its state), plus pod and policy builders."""
+pointed at loopback) and ``control_plane`` do it against the real one, plus pod and policy
+builders."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from kubernetes import client
 
 from attestmesh.kube_mode import KubeMode, KubeSettings, connect
 from attestmesh.metrics import Metrics
@@ -24,7 +30,11 @@ from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.inject import InjectConfig, SimInjection
 from tests.kube_real.cluster import Cluster, free_port
-from tests.kube_real.rest import Rest, until
+from tests.kube_real.rest import Rest, until, wait_for
+from tests.unit.xds.test_xds_build import decoded
+from xds.build import Snapshot
+from xds.kube import TAINT_PLATFORM_UNTRUSTED, KubeClient
+from xds.resources import TypeUrl
 
 GOOD = bytes.fromhex("a1" * 48)
 BAD = bytes.fromhex("b2" * 48)
@@ -105,14 +115,7 @@ def make_env(cluster: Cluster, admin: Rest, workdir: Path) -> Env:
         ),
         hook,
     )
-    workdir.mkdir(parents=True, exist_ok=True)
-    key = workdir / "platform.pem"
-    key.write_bytes(
-        PLATFORM.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return Env(cluster, admin, kubeconfig, port, key)
+    return Env(cluster, admin, kubeconfig, port, sim_key_file(workdir))
 
 
 @dataclass
@@ -120,12 +123,19 @@ class Plane:
     running: Running
     mode: KubeMode
     settings: ControlPlaneSettings
+    task: asyncio.Task[None]  # the control plane's: done only if it ended
 
     @property
     def url(self) -> str:
         return f"https://127.0.0.1:{self.settings.api_port}"
 
-    def agent(self, workload: str, token: str, measurement: bytes = GOOD) -> Agent:
+    def agent(
+        self,
+        workload: str,
+        token: str,
+        measurement: bytes = GOOD,
+        source: SimEvidenceSource | None = None,
+    ) -> Agent:
         class Sink:
             def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
                 pass
@@ -133,43 +143,65 @@ class Plane:
         return Agent(
             url=self.url,
             workload=workload,
-            source=SimEvidenceSource(PLATFORM, measurement),
+            source=source or SimEvidenceSource(PLATFORM, measurement),
             sink=Sink(),
             ssl_context=client_ssl_context(self.running.bundle_pem),
             token=lambda: token,
         )
 
 
+def sim_key_file(directory: Path) -> Path:
+    """The simulated platform's public key, as the control plane's trust anchor."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key = directory / "platform.pem"
+    key.write_bytes(
+        PLATFORM.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return key
+
+
+def fake_client(configuration: Any) -> KubeClient:
+    """A ``KubeClient`` for tests/fakekube (``FakeKube.configuration()``)."""
+    return KubeClient(client.ApiClient(configuration), request_timeout=5)
+
+
 @contextlib.asynccontextmanager
-async def control_plane(
-    env: Env, state_dir: Path, identity: str = "cp-0", *, lead: bool = True
+async def kube_plane(
+    kc: KubeClient,
+    sim_key: Path,
+    state_dir: Path,
+    identity: str = "cp-0",
+    *,
+    webhook_port: int | None = None,
+    metrics: Metrics | None = None,
+    **kube_settings: Any,
 ) -> AsyncIterator[Plane]:
-    """``lead``: wait until this replica holds the Lease (else: only until it has synced)."""
+    """What ``attestmesh controlplane --kubernetes`` runs, against the server ``kc`` talks to,
+    until it has synced. ``kube_settings`` override ``KubeSettings`` (e.g. the webhook
+    certificate's lifetime)."""
     settings = ControlPlaneSettings(
         state_dir=state_dir,
-        sim_platform_keys=(env.sim_key,),
+        sim_platform_keys=(sim_key,),
         api_port=free_port(),
         xds_port=free_port(),
         ops_port=free_port(),
         deadline_check=timedelta(seconds=1),
     )
-    metrics = Metrics()
-    mode = KubeMode(
-        connect(env.kubeconfig, 10),  # what `controlplane --kubernetes --kubeconfig` does
-        KubeSettings(
-            identity=identity,
-            webhook_host="127.0.0.1",
-            webhook_port=env.webhook_port,
-            webhook_configuration=WEBHOOK,
-            probe_host="127.0.0.1",
-            probe_port=free_port(),
-            retry_period=timedelta(seconds=0.5),
-            watch_timeout=30,
-            inject=InjectConfig(sim=SimInjection(GOOD.hex())),  # a test cluster
-        ),
-        metrics,
-        state_dir=state_dir,
-    )
+    metrics = metrics or Metrics()
+    options: dict[str, Any] = {
+        "identity": identity,
+        "webhook_host": "127.0.0.1",
+        "webhook_port": webhook_port or free_port(),
+        "webhook_configuration": WEBHOOK,
+        "probe_host": "127.0.0.1",
+        "probe_port": free_port(),
+        "retry_period": timedelta(seconds=0.5),
+        "watch_timeout": 30,
+        "inject": InjectConfig(sim=SimInjection(GOOD.hex())),  # a test cluster
+    }
+    mode = KubeMode(kc, KubeSettings(**(options | kube_settings)), metrics, state_dir=state_dir)
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
@@ -178,7 +210,29 @@ async def control_plane(
     try:
         running = await asyncio.wait_for(ready, 20)
         await asyncio.wait_for(mode.synced.wait(), 20)
-        bundle = base64.b64encode(running.cp.ca.bundle_pem).decode()
+        yield Plane(running, mode, settings, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+@contextlib.asynccontextmanager
+async def control_plane(
+    env: Env, state_dir: Path, identity: str = "cp-0", *, lead: bool = True, **kube_settings: Any
+) -> AsyncIterator[Plane]:
+    """The control plane against the real server, as the manifests' ServiceAccount (a
+    kubeconfig as ``controlplane --kubernetes --kubeconfig`` reads it). ``lead``: wait until
+    this replica holds the Lease and wrote the webhook's caBundle (else: only until it has
+    synced)."""
+    async with kube_plane(
+        connect(env.kubeconfig, 10),
+        env.sim_key,
+        state_dir,
+        identity,
+        webhook_port=env.webhook_port,
+        **kube_settings,
+    ) as plane:
+        bundle = base64.b64encode(plane.running.cp.ca.bundle_pem).decode()
 
         def bundled() -> bool:
             hook = env.admin.get(
@@ -189,12 +243,9 @@ async def control_plane(
         # the tests expect this replica to act: the Lease may still be held by a replica
         # killed without handing it over (until it expires)
         if lead:
-            await until(lambda: mode.elector.is_leader or None, timeout=40, what="leadership")
+            await until(lambda: plane.mode.elector.is_leader or None, timeout=40, what="leadership")
             await until(bundled, what="caBundle written")
-        yield Plane(running, mode, settings)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
+        yield plane
 
 
 def app_pod(
@@ -277,3 +328,56 @@ def policy(name: str, ns: str, **spec: Any) -> dict[str, Any]:
             **spec,
         },
     }
+
+
+CONTROL_PLANE_USER = "system:serviceaccount:attestmesh-system:attestmesh-controlplane"
+
+
+def audited(env: Env) -> list[dict[str, Any]]:
+    """Every request the control plane (the manifests' ServiceAccount) made so far, per the
+    server's audit log (ResponseComplete: verb, requestURI, objectRef, responseStatus); first a
+    sentinel request as the control plane, whose entry shows the log has caught up."""
+    sentinel = f"sentinel-{len(env.cluster.audit_events(CONTROL_PLANE_USER))}"
+    rest = Rest(env.kubeconfig)
+    try:
+        rest.status_of("GET", f"/api/v1/namespaces/{sentinel}")
+    finally:
+        rest.close()
+
+    def caught_up() -> list[dict[str, Any]] | None:
+        found = env.cluster.audit_events(CONTROL_PLANE_USER)
+        return found if any(sentinel in e["requestURI"] for e in found) else None
+
+    return wait_for(caught_up, what="audit log caught up")
+
+
+WRITES = ("create", "update", "patch", "delete")
+
+
+def writes_to(env: Env, prefix: str) -> list[tuple[str, str]]:
+    """(verb, path) of the control plane's writes whose path starts with ``prefix``."""
+    return [
+        (e["verb"], e["requestURI"].split("?")[0])
+        for e in audited(env)
+        if e["verb"] in WRITES and e["requestURI"].startswith(prefix)
+    ]
+
+
+def snapshot_of(plane: Plane, node: str) -> Snapshot:
+    cache = plane.running.publisher._cache  # what ADS serves this node
+    snap = cache.get(node)
+    assert snap is not None
+    return snap
+
+
+def pinned(snap: Snapshot, cluster: str) -> list[str]:
+    """The SPIFFE IDs cluster ``cluster`` accepts from upstream peers (its SAN matchers)."""
+    tls = decoded(snap, TypeUrl.CLUSTER, cluster)["transportSocket"]["typedConfig"]
+    ctx = tls["commonTlsContext"]["combinedValidationContext"]["defaultValidationContext"]
+    return sorted(m["matcher"]["exact"] for m in ctx.get("matchTypedSubjectAltNames", []))
+
+
+def ours(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The node's taints attestmesh sets (the server adds node.kubernetes.io/not-ready to a
+    Node no kubelet reports)."""
+    return [t for t in node["spec"].get("taints") or [] if t["key"] == TAINT_PLATFORM_UNTRUSTED]

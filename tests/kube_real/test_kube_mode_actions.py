@@ -25,6 +25,7 @@ from tests.kube_real.plane import (
     BAD,
     GOOD,
     Env,
+    audited,
     control_plane,
     injected_fixture_pod,
     make_env,
@@ -34,7 +35,7 @@ from tests.kube_real.plane import (
     running_pod,
     service_account_doc,
 )
-from tests.kube_real.rest import Rest, until, wait_for
+from tests.kube_real.rest import Rest, until
 from xds.kube import CONDITION_ATTESTED, LABEL_QUARANTINED, TAINT_PLATFORM_UNTRUSTED
 from xds.state import Status, Trigger
 
@@ -124,24 +125,9 @@ async def test_audit_mode_records_an_event_and_quarantines_nothing(
         assert await asyncio.to_thread(events, admin, ns, "Quarantined") == []
 
 
-SA_USER = "system:serviceaccount:attestmesh-system:attestmesh-controlplane"
-
-
 def node_reads(env: Env, name: str) -> int:
-    """GETs of node ``name`` the control plane made, per the server's audit log; first a
-    sentinel request as the control plane, whose entry shows the log has caught up."""
-    sentinel = f"sentinel-{len(env.cluster.audit_events(SA_USER))}"
-    rest = Rest(env.kubeconfig)
-    try:
-        rest.status_of("GET", f"/api/v1/namespaces/{sentinel}")
-    finally:
-        rest.close()
-
-    def caught_up() -> list[dict[str, Any]] | None:
-        found = env.cluster.audit_events(SA_USER)
-        return found if any(sentinel in e["requestURI"] for e in found) else None
-
-    events = wait_for(caught_up, what="audit log caught up")
+    """GETs of node ``name`` the control plane made, per the server's audit log."""
+    events = audited(env)
     return sum(
         1
         for e in events
