@@ -32,7 +32,7 @@ from certs.collateral.cache import DiskCache, fetch_cached
 from certs.errors import CollateralError, EvidenceFormatError, EvidenceVerificationError
 from certs.evidence.claims import Collateral
 from certs.evidence.dcap import (
-    load_certificates,
+    parse_certificate_chain,
     parse_pck_extension,
     parse_quote,
     split_signed_response,
@@ -100,7 +100,7 @@ def _chain(resp: PcsResponse, names: tuple[str, ...], what: str) -> bytes:
         if value:
             pem = urllib.parse.unquote(value).encode()
             try:
-                load_certificates(pem, what)
+                parse_certificate_chain(pem, what)
             except EvidenceVerificationError as exc:
                 raise CollateralError("collateral_invalid", f"{what}: bad issuer chain") from exc
             return pem
@@ -149,11 +149,11 @@ class QuoteFacts:
 def quote_facts(evidence: bytes) -> QuoteFacts:
     try:
         quote = parse_quote(evidence)
-        certs = load_certificates(quote.signature.pck_chain_pem, "PCK chain")
+        certs = parse_certificate_chain(quote.signature.pck_chain_pem, "PCK chain")
         pck = parse_pck_extension(certs[0])
     except (EvidenceFormatError, EvidenceVerificationError) as exc:
         raise CollateralError("collateral_quote_unreadable", f"{exc.reason}: {exc.detail}") from exc
-    issuer = certs[0].issuer.rfc4514_string()
+    issuer = certs[0].issuer_text
     return QuoteFacts(
         tee="tdx" if quote.is_tdx else "sgx",
         fmspc=pck.fmspc.hex().upper(),

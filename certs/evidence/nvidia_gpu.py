@@ -48,6 +48,7 @@ from certs.evidence.x509chain import (
     ChainVerifier,
     EcdsaLinks,
     Lru,
+    ParsedCertificate,
     load_pem_chain,
     verify_raw_ecdsa,
 )
@@ -226,15 +227,13 @@ def verify_signature(report: SpdmReport, key: ec.EllipticCurvePublicKey) -> None
         )
 
 
-def verify_fwid(report: SpdmReport, leaf: x509.Certificate) -> None:
+def verify_fwid(report: SpdmReport, leaf: ParsedCertificate) -> None:
     fwid = report.opaque.get(OPAQUE_FWID)
     if not fwid:
         raise EvidenceVerificationError("fwid_mismatch", "report carries no FWID")
-    try:
-        ext = leaf.extensions.get_extension_for_oid(FWID_OID).value
-    except (x509.ExtensionNotFound, ValueError):
-        raise EvidenceVerificationError("fwid_mismatch", "leaf has no TCG DICE FWID") from None
-    raw = ext.value if isinstance(ext, x509.UnrecognizedExtension) else b""
+    raw = leaf.raw_extension(FWID_OID)
+    if raw is None:
+        raise EvidenceVerificationError("fwid_mismatch", "leaf has no TCG DICE FWID")
     # The FWID digest is the last OCTET STRING of the TcbInfo: 04 <len> <digest>.
     if len(fwid) > 127 or not raw.endswith(bytes((0x04, len(fwid))) + fwid):
         raise EvidenceVerificationError("fwid_mismatch", "leaf FWID differs from the report's")
@@ -268,7 +267,7 @@ class NvidiaGpuVerifier:
         report = parse_measurement_report(evidence)
         chain = self._chains.verify(self._chain(collateral), now)
         verify_signature(report, chain.leaf_key)
-        verify_fwid(report, chain.leaf.cert)
+        verify_fwid(report, chain.leaf)
         return build_claims(report, evidence_digest(bytes(evidence)))
 
 

@@ -412,13 +412,8 @@ def load_amd_certificate(data: bytes) -> x509.Certificate:
     return _parse_amd_certificate(data).cert
 
 
-def _ext_raw(cert: x509.Certificate, oid: str) -> bytes | None:
-    try:
-        ext = cert.extensions.get_extension_for_oid(x509.ObjectIdentifier(oid))
-    except x509.ExtensionNotFound:
-        return None
-    value = ext.value
-    return value.value if isinstance(value, x509.UnrecognizedExtension) else None
+def _ext_raw(cert: ParsedCertificate, oid: str) -> bytes | None:
+    return cert.raw_extension(x509.ObjectIdentifier(oid))
 
 
 def _spl(raw: bytes | None) -> int | None:
@@ -461,7 +456,7 @@ def _product_of_name(text: str | None) -> Product | None:
 
 def product_of_certificate(data: bytes) -> Product | None:
     """The product a VCEK/VLEK names in its productName extension (None: absent/unknown)."""
-    cert = load_amd_certificate(data)
+    cert = _parse_amd_certificate(data)
     return _product_of_name(_ia5(_ext_raw(cert, _OID_PRODUCT_NAME)))
 
 
@@ -542,20 +537,20 @@ def _parse_endorsement(data: bytes) -> _Endorsement:
         public_key.curve, ec.SECP384R1
     ):
         raise EvidenceVerificationError("chain_invalid", f"{cn} key is not EC P-384")
-    hwid = _ext_raw(cert, _OID_HWID)
+    hwid = _ext_raw(parsed, _OID_HWID)
     return _Endorsement(
         cert=cert,
         der=parsed.der,
         parsed=parsed,
         key=key,
         public_key=public_key,
-        product=_product_of_name(_ia5(_ext_raw(cert, _OID_PRODUCT_NAME))),
+        product=_product_of_name(_ia5(_ext_raw(parsed, _OID_PRODUCT_NAME))),
         spl={
-            "bootloader": _spl(_ext_raw(cert, _OID_BL_SPL)),
-            "tee": _spl(_ext_raw(cert, _OID_TEE_SPL)),
-            "snp": _spl(_ext_raw(cert, _OID_SNP_SPL)),
-            "microcode": _spl(_ext_raw(cert, _OID_UCODE_SPL)),
-            "fmc": _spl(_ext_raw(cert, _OID_FMC_SPL)),
+            "bootloader": _spl(_ext_raw(parsed, _OID_BL_SPL)),
+            "tee": _spl(_ext_raw(parsed, _OID_TEE_SPL)),
+            "snp": _spl(_ext_raw(parsed, _OID_SNP_SPL)),
+            "microcode": _spl(_ext_raw(parsed, _OID_UCODE_SPL)),
+            "fmc": _spl(_ext_raw(parsed, _OID_FMC_SPL)),
         },
         hwid=_unwrap_octets(hwid) if hwid is not None else None,
         serial=parsed.serial_number,

@@ -97,6 +97,16 @@ class ParsedCertificate:
     def issuer_text(self) -> str:
         return self.issuer.rfc4514_string()
 
+    def raw_extension(self, oid: x509.ObjectIdentifier) -> bytes | None:
+        """The DER value of an extension ``cryptography`` does not decode (a vendor's: Intel's
+        SGX extension, AMD's TCB and hwID, the TCG DICE TcbInfo); None when absent, or when
+        ``cryptography`` knows the type (then it is not the vendor's)."""
+        try:
+            value = self.extensions.get_extension_for_oid(oid).value
+        except x509.ExtensionNotFound:
+            return None
+        return value.value if isinstance(value, x509.UnrecognizedExtension) else None
+
     def basic_constraints(self) -> x509.BasicConstraints | None:
         try:
             return self.extensions.get_extension_for_class(x509.BasicConstraints).value

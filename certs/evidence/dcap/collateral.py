@@ -402,10 +402,6 @@ def parse_certificate_chain(pem_or_der: bytes, what: str) -> tuple[ParsedCertifi
         ) from None
 
 
-def load_certificates(pem_or_der: bytes, what: str) -> list[x509.Certificate]:
-    return [c.cert for c in parse_certificate_chain(pem_or_der, what)]
-
-
 @dataclass(frozen=True, slots=True)
 class VerifiedCrl:
     issuer_name: x509.Name

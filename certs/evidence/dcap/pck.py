@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from cryptography import x509
 
 from certs.errors import EvidenceVerificationError
-from certs.evidence.x509chain import TAG_OID, TAG_SEQUENCE, der_items, der_single, der_uint
+from certs.evidence.x509chain import (
+    TAG_OID,
+    TAG_SEQUENCE,
+    ParsedCertificate,
+    der_items,
+    der_single,
+    der_uint,
+)
 
 _SGX_EXT_OID = x509.ObjectIdentifier("1.2.840.113741.1.13.1")
 _SGX_EXT_PREFIX = bytes.fromhex("2a864886f84d010d01")  # DER body of 1.2.840.113741.1.13.1
@@ -26,17 +33,13 @@ class PckExtension:
     sgx_type: int | None
 
 
-def parse_pck_extension(cert: x509.Certificate) -> PckExtension:
+def parse_pck_extension(cert: ParsedCertificate) -> PckExtension:
     """Read PPID, TCB (16 SGX components, PCESVN, CPUSVN), PCEID, FMSPC from OID ...13.1."""
+    raw = cert.raw_extension(_SGX_EXT_OID)
+    if raw is None:
+        raise EvidenceVerificationError("pck_extension_invalid", "no SGX extension")
     try:
-        ext = cert.extensions.get_extension_for_oid(_SGX_EXT_OID)
-    except x509.ExtensionNotFound as exc:
-        raise EvidenceVerificationError("pck_extension_invalid", "no SGX extension") from exc
-    raw = ext.value
-    if not isinstance(raw, x509.UnrecognizedExtension):
-        raise EvidenceVerificationError("pck_extension_invalid", "unexpected extension type")
-    try:
-        entries = _sgx_entries(der_single(raw.value, TAG_SEQUENCE))
+        entries = _sgx_entries(der_single(raw, TAG_SEQUENCE))
         tcb_entries = _sgx_entries(entries[2][1])
         components = tuple(der_uint(tcb_entries[i][1]) for i in range(1, 17) if tcb_entries.get(i))
         pce_svn = der_uint(tcb_entries[17][1])

@@ -152,7 +152,7 @@ class DcapVerifier:
     def _verify_pck_chain(self, pem: bytes) -> _PckChain:
         def make() -> _PckChain:
             chain = self._verify_chain(pem, "PCK chain")
-            return _PckChain(chain, parse_pck_extension(chain.leaf.cert))
+            return _PckChain(chain, parse_pck_extension(chain.leaf))
 
         return self._pck_chains.get_or(pem, make)
 
