@@ -13,6 +13,13 @@ bounded: when full it refuses new consumes (``nonce_capacity``) rather than grow
 that passed the identity check reach ``consume``, so filling it takes that many authenticated
 attestations inside one nonce lifetime.
 
+An *offered* nonce is issued with a certificate, for the workload's next attestation (it saves
+the agent a challenge round trip). It is marked (the top bit of its first byte) and lives
+longer (until the workload must re-attest), so the replay set does not take it: the control
+plane keeps the one offered nonce per workload and accepts it only from that workload, once
+(``check`` verifies its MAC and expiry; ``consume`` refuses it). Memory stays one nonce per
+workload; another replica refuses it (``nonce_unknown``) and the agent asks for a challenge.
+
 The key is random per process by default: after a restart every outstanding nonce fails its
 MAC and is refused, which is the safe direction. Replicas that share the key accept each
 other's nonces; each keeps its own replay set (a shared one belongs in the store).
@@ -35,6 +42,7 @@ EXPIRY_LEN = 8
 MAC_LEN = 8
 KEY_LEN = 32
 assert RANDOM_LEN + EXPIRY_LEN + MAC_LEN == NONCE_LEN
+_OFFERED = 0x80  # the top bit of the first byte: an offered nonce
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MS = timedelta(milliseconds=1)
 
@@ -83,15 +91,36 @@ class NonceBook:
 
     def issue(self, now: datetime, random: Callable[[int], bytes]) -> tuple[bytes, datetime]:
         """A fresh nonce and its expiry. Keeps no state."""
+        return self._issue(now, random, self._ttl, offered=False)
+
+    def offer(
+        self, now: datetime, random: Callable[[int], bytes], expires: datetime
+    ) -> tuple[bytes, datetime]:
+        """A nonce to hand out with a certificate, valid until ``expires`` (after ``now``).
+        Keeps no state: the caller keeps it for the one workload it offers it to."""
+        if expires <= now:
+            raise ValueError("an offered nonce must expire after now")
+        return self._issue(now, random, expires - now, offered=True)
+
+    def _issue(
+        self, now: datetime, random: Callable[[int], bytes], ttl: timedelta, *, offered: bool
+    ) -> tuple[bytes, datetime]:
         rnd = random(RANDOM_LEN)
         if len(rnd) != RANDOM_LEN:
             raise ValueError(f"random({RANDOM_LEN}) returned {len(rnd)} bytes")
-        expires_ms = _ms(now + self._ttl)
+        first = (rnd[0] | _OFFERED) if offered else (rnd[0] & ~_OFFERED)
+        rnd = bytes([first]) + rnd[1:]
+        expires_ms = _ms(now + ttl)
         body = rnd + expires_ms.to_bytes(EXPIRY_LEN, "big")
         return body + self._mac(body), _EPOCH + expires_ms * _MS
 
-    def consume(self, nonce: bytes, now: datetime) -> None:
-        """Accept a nonce this book (or one sharing its key) issued, once, before it expires."""
+    @staticmethod
+    def is_offered(nonce: bytes) -> bool:
+        return len(nonce) == NONCE_LEN and bool(nonce[0] & _OFFERED)
+
+    def check(self, nonce: bytes, now: datetime) -> None:
+        """The MAC and the expiry of a nonce (single use is the caller's: an offered nonce is
+        kept per workload and dropped when used)."""
         if len(nonce) != NONCE_LEN:
             raise NonceError("nonce_unknown", f"a nonce is {NONCE_LEN} bytes")
         body, mac = nonce[: RANDOM_LEN + EXPIRY_LEN], nonce[RANDOM_LEN + EXPIRY_LEN :]
@@ -99,10 +128,19 @@ class NonceBook:
             raise NonceError(
                 "nonce_unknown", "no such challenge (not issued by this control plane)"
             )
-        expires_ms = int.from_bytes(body[RANDOM_LEN:], "big")
-        now_ms = _ms(now)
-        if now_ms >= expires_ms:
+        if _ms(now) >= int.from_bytes(body[RANDOM_LEN:], "big"):
             raise NonceError("nonce_expired", "the challenge expired; request a new one")
+
+    def consume(self, nonce: bytes, now: datetime) -> None:
+        """Accept a nonce this book (or one sharing its key) issued, once, before it expires.
+        An offered nonce is not accepted here (see ``check``)."""
+        self.check(nonce, now)
+        if self.is_offered(nonce):
+            raise NonceError(
+                "nonce_unknown", "no such offered nonce (used, or offered elsewhere): challenge"
+            )
+        now_ms = _ms(now)
+        expires_ms = int.from_bytes(nonce[RANDOM_LEN : RANDOM_LEN + EXPIRY_LEN], "big")
         self._prune(now_ms)
         if nonce in self._consumed:
             raise NonceError("nonce_reused", "this nonce was already used")

@@ -150,6 +150,8 @@ class Agent:
         )
         self.current: AgentCertificate | None = None
         self.attest_now = asyncio.Event()
+        # the nonce the control plane offered with the last certificate, where, and until when
+        self._offered: tuple[Target, str, datetime] | None = None
 
     async def _post(
         self, session: aiohttp.ClientSession, target: Target, path: str, body: Any
@@ -229,16 +231,33 @@ class Agent:
         raise last or AgentError("control_plane_unreachable", "no control-plane address")
 
     async def _attest_at(self, session: aiohttp.ClientSession, target: Target) -> AgentCertificate:
-        """Challenge and attest/renew at one replica."""
+        """Challenge and attest/renew at one replica. The nonce the replica offered with the
+        last certificate saves the challenge; if it is refused (used, expired, or the replica
+        restarted), the agent asks for a challenge and attests again."""
+        offered, self._offered = self._offered, None  # one use, whatever the outcome
+        if offered is not None and offered[0] == target and self._clock() < offered[2]:
+            try:
+                return await self._attest_with(session, target, offered[1])
+            except AgentError as exc:
+                if not exc.reason.startswith("nonce_"):
+                    raise
+                log.info("%s: offered nonce refused (%s): challenge", self._workload, exc)
+        challenge = await self._post(session, target, "/v1/challenge", {})
+        return await self._attest_with(session, target, challenge.get("nonce"))
+
+    async def _attest_with(
+        self, session: aiohttp.ClientSession, target: Target, nonce_b64: object
+    ) -> AgentCertificate:
         key = ec.generate_private_key(ec.SECP256R1())
         spki = key.public_key().public_bytes(
             serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
         )
-        challenge = await self._post(session, target, "/v1/challenge", {})
         try:
-            nonce = base64.b64decode(challenge["nonce"], validate=True)
+            if not isinstance(nonce_b64, str):
+                raise TypeError("nonce must be a base64 string")
+            nonce = base64.b64decode(nonce_b64, validate=True)
             report_data = expected_report_data(nonce, spki)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:
             raise AgentError("response_malformed", f"challenge: {exc!r}") from None
         try:
             evidence = self._source.collect(report_data, nonce=nonce, spki=spki)
@@ -250,7 +269,7 @@ class Agent:
             "evidence": base64.b64encode(evidence.evidence).decode(),
             "collateral": {k: base64.b64encode(v).decode() for k, v in evidence.collateral.items()},
             "csr": build_csr(key).decode(),
-            "nonce": challenge["nonce"],
+            "nonce": nonce_b64,
         }
         path = "/v1/renew" if self.current is not None else "/v1/attest"
         data = await self._post(session, target, path, body)
@@ -262,6 +281,7 @@ class Agent:
         cert = _issued(data, key_pem)
         self._sink.update(cert.chain_pem, cert.key_pem)
         self.current = cert
+        self._offered = _offered_nonce(data, target)
         return cert
 
     async def run(self, stop: asyncio.Event, retry_s: float = 1.0) -> None:
@@ -310,6 +330,18 @@ def _issued(data: Mapping[str, Any], key_pem: bytes) -> AgentCertificate:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise AgentError("response_malformed", f"certificate response: {exc!r}") from None
+
+
+def _offered_nonce(data: Mapping[str, Any], target: Target) -> tuple[Target, str, datetime] | None:
+    """The nonce offered for the next attestation, if the answer carries a well-formed one."""
+    nonce, expires = data.get("next_nonce"), data.get("next_nonce_expires_at")
+    if not isinstance(nonce, str) or not isinstance(expires, str):
+        return None
+    try:
+        at = datetime.fromisoformat(expires)
+    except ValueError:
+        return None
+    return None if at.tzinfo is None else (target, nonce, at)
 
 
 async def _wait_any(a: asyncio.Event, b: asyncio.Event, seconds: float) -> None:

@@ -129,7 +129,9 @@ def parse_attest_body(body: object) -> AttestRequest:
 
 
 def issued_json(issued: Issued) -> dict[str, str]:
-    return {
+    """The certificate answer; with ``next_nonce`` (and its ``next_nonce_expires_at``): the
+    nonce for this workload's next attestation, so it need not ask for a challenge."""
+    body = {
         "certificate_chain": issued.chain_pem.decode(),
         "trust_bundle": issued.bundle_pem.decode(),
         "serial": str(issued.serial),
@@ -138,6 +140,10 @@ def issued_json(issued: Issued) -> dict[str, str]:
         "renew_after": issued.renew_after.isoformat(),
         "reattest_by": issued.reattest_by.isoformat(),
     }
+    if issued.next_nonce and issued.next_nonce_expires is not None:
+        body["next_nonce"] = base64.b64encode(issued.next_nonce).decode()
+        body["next_nonce_expires_at"] = issued.next_nonce_expires.isoformat()
+    return body
 
 
 def build_app(cp: Issuing, metrics: ApiMetrics) -> web.Application:

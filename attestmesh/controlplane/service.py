@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import hmac
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -37,7 +38,7 @@ from certs.issuance import (
     decide,
     verify_request,
 )
-from certs.nonces import NonceBook
+from certs.nonces import NonceBook, NonceError
 from certs.policy import (
     DEFAULT_REATTESTATION,
     AttestationPolicy,
@@ -78,6 +79,9 @@ from xds.store_pg import Changes
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
+# revocations that need not go out with their transition are gathered this long, then the CRL
+# set is re-signed once for all of them (off the loop)
+CRL_COALESCE = timedelta(milliseconds=50)
 # A vendor service that is down or answers with an error is not the workload's failure: the
 # request fails (HTTP 503, the agent retries) but never quarantines; the re-attestation deadline
 # stays the backstop.
@@ -146,6 +150,12 @@ class ControlPlane:
         self._identity = identity or RegistrationTokenCheck(allow_tokenless=True)
         self._collateral = dict(collateral_sources or {})
         self._nonces = NonceBook(key=random_bytes(32))  # stateless nonces: nothing to exhaust
+        # the one nonce offered to each workload with its certificate (its next attestation's)
+        self._offered: dict[str, bytes] = {}
+        # CRLs re-signed off the loop, coalesced (``_crl_due``)
+        self._crl_task: asyncio.Task[None] | None = None
+        self._crl_dirty = False
+        self._crl_builds = 0  # CRL sets built on the loop (a newer one wins over a thread's)
         self._crl_at: datetime | None = None
         self._ca_retry_at: datetime | None = None
         self._limiter = limiter or AttestationLimiter()
@@ -156,7 +166,6 @@ class ControlPlane:
         # rows adopted from the store (another replica's), newer than the states of
         # announcements decided before: name -> (gen adopted at, row or None: gone)
         self._adopted: dict[str, tuple[int, WorkloadState | None]] = {}
-        self._trust_adopted_gen = -1  # announcements up to this gen predate adopted revocations
         self._inflight: dict[str, int] = {}  # name -> this replica's batches not yet resolved
         self._skipped: set[str] = set()  # others' changes left alone while a write was in flight
         self._rereads: set[asyncio.Task[None]] = set()
@@ -250,7 +259,10 @@ class ControlPlane:
         for listener in self._listeners:
             listener(new, changed)
         if added:
-            self._trust = self._build_trust(self._clock())
+            if any(_revokes_now(new, r) for r in added):  # with this transition's announcement
+                self._trust = self._build_trust(self._clock())
+            else:  # superseded or withdrawn certificates: off the loop, coalesced
+                self._crl_due()
         self._metrics.quarantined.set(self._quarantined)
         self._gen += 1
         announce = _Announcement(
@@ -373,7 +385,6 @@ class ControlPlane:
             kept = tuple(r for r in self._state.revocations if r.serial not in unrevoked)
             self._state = replace(self._state, revocations=kept + tuple(revoked))
             self._trust = self._build_trust(self._clock())
-            self._trust_adopted_gen = self._gen
         elif not rows:
             return
         old = self._state
@@ -428,10 +439,9 @@ class ControlPlane:
             if a.gen > 0:  # announced states from now on derive from the adopted rows
                 self._adopted = {n: v for n, v in self._adopted.items() if v[0] >= a.gen}
         self._announced = state
-        # a state decided before revocations were adopted still gets them (the CRL never
-        # goes back); revoking early is the safe side
-        trust = self._trust if a.gen <= self._trust_adopted_gen else a.trust
-        self._publisher.publish(state, self._mesh_policies, trust, changed)
+        # the newest CRL set, always: a state decided before revocations were adopted or
+        # signed still gets them (the CRL never goes back); revoking early is the safe side
+        self._publisher.publish(state, self._mesh_policies, self._trust, changed)
         if a.events:
             self._publisher.on_events(state, a.events)
 
@@ -442,7 +452,8 @@ class ControlPlane:
             with contextlib.suppress(StoreConflict):
                 await asyncio.shield(last)
             if self._last_write is last:
-                return
+                break
+        await self.crl_settled()
 
     @property
     def healthy(self) -> bool:
@@ -488,9 +499,54 @@ class ControlPlane:
         self._publisher.publish(self._announced, self._mesh_policies, self._trust, ())
 
     def _build_trust(self, now: datetime) -> TrustMaterial:
+        """A new CRL set, now, on the loop (a quarantine's revocations go out with it)."""
         revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
         self._crl_at = now
+        self._crl_builds += 1
         return TrustMaterial(self._ca.bundle_pem, self._ca.crl_pem(revoked, now, CRL_VALIDITY))
+
+    def _crl_due(self) -> None:
+        """Revocations that need not go out with their transition (a renewal superseded the
+        workload's older certificate; a withdrawn one nobody holds): the CRL set is re-signed
+        on a worker thread, one at a time, for every revocation made meanwhile (a burst of
+        renewals costs one signature per CRL, not one per renewal), then announced. Without
+        a running loop (synchronous use) it is built at once."""
+        self._crl_dirty = True
+        if self._crl_task is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._crl_dirty = False
+            self._trust = self._build_trust(self._clock())
+            return
+        self._crl_task = loop.create_task(self._sign_crls())
+
+    async def _sign_crls(self) -> None:
+        try:
+            while self._crl_dirty:
+                await asyncio.sleep(CRL_COALESCE.total_seconds())
+                self._crl_dirty = False
+                ca, builds, now = self._ca, self._crl_builds, self._clock()
+                revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
+                crl = await asyncio.to_thread(ca.crl_pem, revoked, now, CRL_VALIDITY)
+                if self._ca is not ca or self._crl_builds != builds:
+                    # rotated, or a newer set was built on the loop meanwhile: that one (or
+                    # the next round, if revocations followed it) stands
+                    continue
+                self._crl_at = now
+                self._trust = TrustMaterial(ca.bundle_pem, crl)
+                self._republish()
+        except Exception:
+            log.exception("re-signing the CRL set failed; the next revocation retries")
+            self._crl_dirty = False
+        finally:
+            self._crl_task = None
+
+    async def crl_settled(self) -> None:
+        """Wait until revocations made so far are in the announced CRL set."""
+        while (task := self._crl_task) is not None:
+            await asyncio.shield(task)
 
     def _update_gauges(self) -> None:
         self._metrics.quarantined.set(self._quarantined)
@@ -532,7 +588,7 @@ class ControlPlane:
         now = self._clock()
         w = self._state.get(req.workload)
         await self._identity.check(w.registration, token)
-        self._nonces.consume(req.nonce, now)
+        self._consume_nonce(req.workload, req.nonce, now)
         ensure_may_issue(self._state, req.workload)
         self._limiter.take(req.workload, now)
         if self._replication is not None and not self._replication.in_contact():
@@ -603,7 +659,29 @@ class ControlPlane:
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
-        return issued
+        return self._offer_nonce(issued, now)
+
+    def _offer_nonce(self, issued: Issued, now: datetime) -> Issued:
+        """Hand out the nonce for this workload's next attestation with its certificate (one
+        per workload, replacing any earlier one), valid until it must re-attest."""
+        if issued.reattest_by <= now or issued.workload not in self._state.workloads:
+            return issued
+        nonce, expires = self._nonces.offer(now, self._random, issued.reattest_by)
+        self._offered[issued.workload] = nonce
+        return replace(issued, next_nonce=nonce, next_nonce_expires=expires)
+
+    def _consume_nonce(self, workload: str, nonce: bytes, now: datetime) -> None:
+        """A challenge's nonce (once, before it expires), or the nonce offered to this very
+        workload with its last certificate (dropped as it is used, whatever the outcome)."""
+        if not self._nonces.is_offered(nonce):
+            self._nonces.consume(nonce, now)
+            return
+        if not hmac.compare_digest(self._offered.get(workload, b""), nonce):
+            raise NonceError(
+                "nonce_unknown", "no such offered nonce (used, or offered elsewhere): challenge"
+            )
+        del self._offered[workload]
+        self._nonces.check(nonce, now)
 
     def _refused(self, name: str, exc: EvidenceRejected, now: datetime) -> None:
         """Count and record a rejection; quarantine only on authentic evidence policy rejects."""
@@ -691,6 +769,7 @@ class ControlPlane:
         retry = again if attempt < QUARANTINE_RETRIES else None
         self._apply(state, events, [e.workload for e in events], retry)
         for e in events:
+            self._offered.pop(e.workload, None)  # its next attestation starts with a challenge
             assert e.trigger is not None
             self._metrics.quarantine_events.labels(e.trigger.value).inc()
             log.warning("quarantined %s (%s): %s", e.workload, e.trigger, e.reason)
@@ -702,6 +781,7 @@ class ControlPlane:
         if events:
             self._apply(state, events, (name,))
             self._limiter.forget(name)
+            self._offered.pop(name, None)
         return bool(events)
 
     def release(self, name: str) -> bool:
@@ -921,6 +1001,14 @@ class ControlPlane:
         durable = self._apply(self._state, events, ())
         if durable is not None:
             await asyncio.shield(durable)
+
+
+def _revokes_now(state: MeshState, r: Revocation) -> bool:
+    """Whether a revocation must be in the CRL set announced with its transition: its workload
+    is quarantined or gone (a renewal's superseded certificate and a withdrawn one can wait
+    for the coalesced re-signing)."""
+    w = state.workloads.get(r.workload)
+    return w is None or w.status is not Status.ATTESTED
 
 
 def _serial_of(issuer: Issuer | None) -> str:

@@ -195,7 +195,8 @@ async def test_renewal_uses_renew_and_a_new_key_each_time(server: Server) -> Non
     agent, sink, _ = _agent(server)
     async with _session() as session:
         certs = [await agent.attest_once(session) for _ in range(3)]
-    assert server.paths == ["/v1/challenge", "/v1/attest"] + ["/v1/challenge", "/v1/renew"] * 2
+    # each certificate comes with the nonce for the next attestation: no challenge after the first
+    assert server.paths == ["/v1/challenge", "/v1/attest", "/v1/renew", "/v1/renew"]
     keys = {c.key_pem for c in certs}
     assert len(keys) == 3
     assert len({c.serial for c in certs}) == 3
@@ -283,9 +284,9 @@ async def test_run_recovers_after_release_by_attesting_afresh(server: Server) ->
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=5)
-    # renew is refused (not attested after release), so the agent forgets its certificate
-    # and attests from scratch
-    assert server.paths[:4] == ["/v1/challenge", "/v1/renew", "/v1/challenge", "/v1/attest"]
+    # renew (with the nonce offered by the first attestation) is refused (not attested after
+    # release), so the agent forgets its certificate and attests from scratch
+    assert server.paths[:3] == ["/v1/renew", "/v1/challenge", "/v1/attest"]
     assert cp.status_of("web-1") is Status.ATTESTED
     assert len(sink.updates) == 2
 
@@ -456,3 +457,27 @@ async def test_run_keeps_retrying_after_malformed_answers() -> None:
         stop.set()
         await asyncio.wait_for(task, timeout=5)
     assert calls >= 3
+
+
+async def test_an_offered_nonce_is_used_once_and_a_refused_one_falls_back_to_a_challenge(
+    server: Server,
+) -> None:
+    """The nonce offered with a certificate serves the next attestation once; if the control
+    plane no longer knows it (another agent used it, it restarted), the agent asks for a
+    challenge at once and still gets its certificate."""
+    agent, sink, _ = _agent(server)
+    async with _session() as session:
+        first = await agent.attest_once(session)
+        offered = agent._offered
+        assert offered is not None and offered[2] == first.reattest_by
+        # the workload's offered nonce is taken (as if used from elsewhere): refused, then a
+        # challenge
+        server.plane.cp._offered.pop("web-1")
+        second = await agent.attest_once(session)
+        third = await agent.attest_once(session)  # the nonce offered with the second
+    assert server.paths == [
+        "/v1/challenge", "/v1/attest", "/v1/renew", "/v1/challenge", "/v1/renew", "/v1/renew",
+    ]  # fmt: skip
+    assert len({first.serial, second.serial, third.serial}) == 3
+    assert len(sink.updates) == 3
+    assert server.plane.rejections("renew", "nonce_unknown") == 1.0

@@ -184,3 +184,30 @@ def test_many_consumes_across_time_stay_bounded_and_fast() -> None:
         book.consume(nonce, t)
         sizes.append(book.consumed)
     assert max(sizes) <= 1_001
+
+
+def test_offered_nonces_are_marked_checked_by_mac_and_expiry_and_never_consumed() -> None:
+    book = NonceBook(key=bytes(32))
+    rand = lambda n: b"\xff" * n  # noqa: E731  (the mark bit set in the randomness)
+    plain, _ = book.issue(NOW, rand)
+    assert not NonceBook.is_offered(plain)  # a challenge's nonce never carries the mark
+    offered, expires = book.offer(NOW, rand, NOW + timedelta(hours=2))
+    assert NonceBook.is_offered(offered) and len(offered) == NONCE_LEN
+    assert expires == NOW + timedelta(hours=2)
+    book.check(offered, NOW + timedelta(hours=1))
+    book.check(
+        offered, NOW + timedelta(hours=1)
+    )  # check keeps no state: single use is the caller's
+    assert _reason_check(book, offered, expires) == "nonce_expired"
+    forged = bytes([offered[0] ^ 0x01]) + offered[1:]
+    assert _reason_check(book, forged, NOW) == "nonce_unknown"
+    assert _reason(book, offered, NOW) == "nonce_unknown"  # the replay set never takes one
+    assert book.consumed == 0
+    with pytest.raises(ValueError):
+        book.offer(NOW, rand, NOW)
+
+
+def _reason_check(book: NonceBook, nonce: bytes, at: datetime) -> str:
+    with pytest.raises(NonceError) as info:
+        book.check(nonce, at)
+    return info.value.reason

@@ -1,0 +1,146 @@
+"""The attestation fast path: the nonce offered with each certificate (single use, for that
+workload only, bounded to one per workload) and CRLs re-signed off the event loop, coalesced, for
+revocations that need not go out with their transition (a renewal's superseded certificate)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.controlplane import AttestationLimiter
+from certs.binding import expected_report_data
+from certs.ca import CertificateAuthority
+from certs.evidence import sim
+from certs.issuance import AttestRequest
+from certs.nonces import NonceBook, NonceError
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    NOW,
+    Clock,
+    csr_pem,
+    make_control_plane,
+    new_key,
+    registration,
+    spki,
+)
+from xds.state import MAX_LIVE_CERTIFICATES, Status, Trigger
+
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+
+
+def request(name: str, nonce: bytes) -> AttestRequest:
+    key = new_key()
+    evidence = sim.build_report(
+        PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=MEASUREMENT
+    )
+    return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
+
+
+def plane(tmp_path: Path, clock: Clock) -> Any:
+    p = make_control_plane(
+        tmp_path,
+        clock=clock,
+        platform_key=PLATFORM,
+        registrations=[registration("web-1"), registration("web-2", port=15002)],
+    )
+    p.cp._limiter = AttestationLimiter(burst=100)
+    return p
+
+
+async def test_the_nonce_offered_with_a_certificate_serves_that_workloads_next_attestation_once(
+    tmp_path: Path,
+) -> None:
+    clock = Clock(NOW)
+    p = plane(tmp_path, clock)
+    cp = p.cp
+    first = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    assert NonceBook.is_offered(first.next_nonce)
+    assert first.next_nonce_expires == first.reattest_by
+    # another workload cannot use it (and does not spend it)
+    await cp.attest(request("web-2", cp.challenge()[0]), None)
+    with pytest.raises(NonceError) as info:
+        await cp.attest(request("web-2", first.next_nonce), None)
+    assert info.value.reason == "nonce_unknown"
+    # its workload can, once
+    second = await cp.attest(request("web-1", first.next_nonce), None)
+    assert second.serial != first.serial and second.next_nonce != first.next_nonce
+    with pytest.raises(NonceError) as info:
+        await cp.attest(request("web-1", first.next_nonce), None)
+    assert info.value.reason == "nonce_unknown"
+    # a challenge's nonce cannot be passed off as an offered one (the MAC covers the mark)
+    plain = bytearray(cp.challenge()[0])
+    plain[0] |= 0x80
+    with pytest.raises(NonceError) as info:
+        await cp.attest(request("web-1", bytes(plain)), None)
+    assert info.value.reason == "nonce_unknown"
+    # one offered nonce per workload, the latest: bounded by the mesh, not by attestations
+    assert set(cp._offered) == {"web-1", "web-2"}
+    assert cp._offered["web-1"] == second.next_nonce
+    # past its expiry (the re-attestation deadline) it is refused
+    clock.now = second.reattest_by
+    with pytest.raises(NonceError) as info:
+        await cp.attest(request("web-1", second.next_nonce), None)
+    assert info.value.reason == "nonce_expired"
+
+
+async def test_a_quarantine_drops_the_offered_nonce(tmp_path: Path) -> None:
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    issued = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    cp.quarantine("web-1", Trigger.OPERATOR, "drill")
+    cp.release("web-1")
+    with pytest.raises(NonceError):
+        await cp.attest(request("web-1", issued.next_nonce), None)
+    assert "web-1" not in cp._offered
+    await cp.attest(request("web-1", cp.challenge()[0]), None)  # a challenge still serves
+    assert cp.status_of("web-1") is Status.ATTESTED
+
+
+async def test_superseded_certificates_reach_the_crl_off_the_loop_in_few_signings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    signed_on: list[str] = []
+    crl_pem = CertificateAuthority.crl_pem
+
+    def counted(self: CertificateAuthority, *args: Any, **kwargs: Any) -> bytes:
+        signed_on.append(threading.current_thread().name)
+        return crl_pem(self, *args, **kwargs)
+
+    monkeypatch.setattr(CertificateAuthority, "crl_pem", counted)
+    renewals = 24
+    issued = []
+    for _ in range(renewals):  # each past the fourth supersedes (and revokes) the oldest
+        issued.append(await cp.attest(request("web-1", cp.challenge()[0]), None))
+    superseded = {i.serial for i in issued[:-MAX_LIVE_CERTIFICATES]}
+    assert superseded <= cp.state.revoked_serials()  # in the state (and store) at once
+    await cp.flushed()  # and in the announced CRL set soon after
+    crl = x509.load_pem_x509_crl(p.publisher.last_trust.crl_pem)
+    assert {r.serial_number for r in crl} == superseded
+    assert cp.trust.crl_pem == p.publisher.last_trust.crl_pem
+    # off the loop's thread, and far fewer signings than revocations
+    assert signed_on and threading.main_thread().name not in signed_on
+    assert len(signed_on) < len(superseded) / 2
+
+
+async def test_a_quarantines_revocations_go_out_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    issued = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    assert cp.quarantine("web-1", Trigger.OPERATOR, "drill")
+    # no await: the CRL set in force already lists the quarantined workload's certificate
+    crl = x509.load_pem_x509_crl(cp.trust.crl_pem)
+    assert crl.get_revoked_certificate_by_serial_number(issued.serial) is not None
+    await cp.flushed()
+    last = x509.load_pem_x509_crl(p.publisher.last_trust.crl_pem)
+    assert last.get_revoked_certificate_by_serial_number(issued.serial) is not None
+    assert last.next_update_utc - NOW > timedelta(hours=23)
