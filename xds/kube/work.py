@@ -144,8 +144,10 @@ class KubePublisher:
 
 class ActionQueue:
     """Work performed in order by one worker (``perform``); a failed item sets the retry flag.
-    The re-apply is submitted every ``resync`` while ``is_leader()``, sooner (backing off)
-    after a failure. ``completed`` holds what the worker did lately, in order (bounded)."""
+    The re-apply is submitted every ``resync`` while ``is_leader()``; when the flag is set as a
+    wait begins (an item failed since the last re-apply), after the backoff instead (from 1 s,
+    doubling while failures go on, never longer than ``resync``). ``completed`` holds what the
+    worker did lately, in order (bounded)."""
 
     def __init__(
         self,
@@ -165,6 +167,11 @@ class ActionQueue:
     def retry(self) -> None:
         """Something was not done: re-apply soon."""
         self._retry.set()
+
+    @property
+    def retrying(self) -> bool:
+        """An item failed since the last re-apply was submitted."""
+        return self._retry.is_set()
 
     async def join(self) -> None:
         """Every item queued so far was attempted."""
