@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import hmac
 import logging
+import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from attestmesh.controlplane.identity import RegistrationTokenCheck
 from attestmesh.controlplane.issued import Issued
@@ -82,6 +86,8 @@ CRL_VALIDITY = timedelta(hours=24)
 # revocations that need not go out with their transition are gathered this long, then the CRL
 # set is re-signed once for all of them (off the loop)
 CRL_COALESCE = timedelta(milliseconds=50)
+CRYPTO_THREADS = max(1, min(4, os.cpu_count() or 1))
+_T = TypeVar("_T")
 # A vendor service that is down or answers with an error is not the workload's failure: the
 # request fails (HTTP 503, the agent retries) but never quarantines; the re-attestation deadline
 # stays the backstop.
@@ -156,6 +162,10 @@ class ControlPlane:
         self._crl_task: asyncio.Task[None] | None = None
         self._crl_dirty = False
         self._crl_builds = 0  # CRL sets built on the loop (a newer one wins over a thread's)
+        # Verification, signing and CRLs run on a few threads of their own: as many as cores.
+        # More threads than cores add no throughput (the work is CPU-bound) and make the event
+        # loop wait longer for the GIL (/healthz, ADS, the API); fewer leave cores idle.
+        self._crypto = ThreadPoolExecutor(CRYPTO_THREADS, thread_name_prefix="attest-crypto")
         self._crl_at: datetime | None = None
         self._ca_retry_at: datetime | None = None
         self._limiter = limiter or AttestationLimiter()
@@ -529,7 +539,7 @@ class ControlPlane:
                 self._crl_dirty = False
                 ca, builds, now = self._ca, self._crl_builds, self._clock()
                 revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
-                crl = await asyncio.to_thread(ca.crl_pem, revoked, now, CRL_VALIDITY)
+                crl = await self._off_loop(ca.crl_pem, revoked, now, CRL_VALIDITY)
                 if self._ca is not ca or self._crl_builds != builds:
                     # rotated, or a newer set was built on the loop meanwhile: that one (or
                     # the next round, if revocations followed it) stands
@@ -542,6 +552,11 @@ class ControlPlane:
             self._crl_dirty = False
         finally:
             self._crl_task = None
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._crypto, functools.partial(fn, *args)
+        )
 
     async def crl_settled(self) -> None:
         """Wait until revocations made so far are in the announced CRL set."""
@@ -604,7 +619,7 @@ class ControlPlane:
         try:
             collateral = await self._collateral_for(req, now)
             full = req if collateral is None else replace(req, collateral=collateral)
-            signed = await asyncio.to_thread(
+            signed = await self._off_loop(
                 _verify_and_sign, full, self._verifiers, governing, ca, spiffe, serial, now
             )
         except EvidenceRejected as exc:
