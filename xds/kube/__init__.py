@@ -25,7 +25,10 @@ Public face (what others import; from ``xds.kube``, or the pure names from ``xds
 The package sits under ``xds`` beside the other sources of the mesh state (registration files,
 the stores): it turns the cluster into registrations, policies and identity checks, and the
 mesh's events into cluster writes. It may import ``certs`` and ``xds``, never ``sidecar`` or the
-composition root ``attestmesh`` (pyproject's import contracts).
+composition root ``attestmesh``; inside it imports go one way, ``names`` <- ``workloads``/
+``conditions`` <- ``policies`` <- ``client``/``metrics`` <- ``tokenreview``/``lease``/``watch``/
+``events`` <- ``source``/``actions``/``trustbundle``/``webhook`` <- ``work`` (pyproject's import
+contracts ``kube-pure``, ``inject-pure``, ``kube-sidecar``, ``kube-layers``).
 
 Names other than ``names``' are resolved on first use (PEP 562), so importing
 ``xds.kube.names`` loads no I/O module of the adapter.
