@@ -275,12 +275,15 @@ class EnvoyMesh:
         return False
 
     async def wait_refused(self, since: float, timeout_s: float, hold_s: float = 0.2) -> None:
-        """Until every caller has refused for ``hold_s`` (or ``timeout_s``)."""
+        """Until every caller has refused for ``hold_s`` and its own Envoy routed away from
+        the victim (or ``timeout_s``)."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             now = time.monotonic()
             ats = [p.refused_at(since) for p in self.probers]
-            if all(a is not None and now - a >= hold_s for a in ats):
+            if all(a is not None and now - a >= hold_s for a in ats) and all(
+                p.routed_away_at(since) is not None for p in self.probers
+            ):
                 return
             await asyncio.sleep(0.01)
 
