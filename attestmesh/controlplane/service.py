@@ -728,6 +728,8 @@ class ControlPlane:
         """The response carrying ``issued`` never reached the agent: revoke the certificate and
         undo what its issuance recorded (a first attestation returns to pending)."""
         now = self._clock()
+        if issued.next_nonce and self._offered.get(issued.workload) == issued.next_nonce:
+            del self._offered[issued.workload]  # offered with the answer that was lost
         if issued.before is None:
             return False
         state, _ = withdraw(self._state, issued.workload, issued.serial, issued.before, now)

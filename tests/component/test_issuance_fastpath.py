@@ -89,6 +89,16 @@ async def test_the_nonce_offered_with_a_certificate_serves_that_workloads_next_a
     assert info.value.reason == "nonce_expired"
 
 
+async def test_a_withdrawn_answer_takes_its_offered_nonce_back(tmp_path: Path) -> None:
+    cp = plane(tmp_path, Clock(NOW)).cp
+    first = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    second = await cp.attest(request("web-1", first.next_nonce), None)
+    assert cp.withdraw(second)  # the answer never reached the agent
+    assert "web-1" not in cp._offered
+    with pytest.raises(NonceError):
+        await cp.attest(request("web-1", second.next_nonce), None)
+
+
 async def test_a_quarantine_drops_the_offered_nonce(tmp_path: Path) -> None:
     p = plane(tmp_path, Clock(NOW))
     cp = p.cp
