@@ -187,6 +187,7 @@ class _Listener:
         self.probe = probe
         self.on_refused = on_refused
         self.loop = asyncio.get_running_loop()
+        self.memory_tls = False  # TLS by _MemoryTLS (start_h2) instead of asyncio's SSLProtocol
         self.open = 0
         self.per_source: dict[str, int] = {}
         self.closed: dict[CloseReason, int] = {}
@@ -283,6 +284,12 @@ class _Admission(asyncio.Protocol):
         left = max(self._started + lst.limits.handshake_timeout - lst.loop.time(), 0.001)
         try:
             guard = _Guard(lst, lst.app_factory())
+            if lst.memory_tls:
+                mem = _MemoryTLS(guard, lst, self._source, left)
+                transport.set_protocol(mem)
+                mem.connection_made(transport)
+                mem.data_received(data)
+                return
             tls = _LeanSSLProtocol(lst.loop, guard, lst, self._source, left)
         except BaseException:
             lst.release(self._source)
@@ -367,6 +374,224 @@ class _LeanSSLProtocol(sslproto.SSLProtocol):
             lst.release(self._am_source)
             if not self._am_guard.established and lst.loop.time() >= self._am_deadline - 0.01:
                 lst.report(CloseReason.HANDSHAKE_TIMEOUT)
+
+
+_TLS_CHUNK = 16_384  # plaintext fed to OpenSSL at once: the outgoing BIO never holds much more
+
+
+class _MemoryTLS(asyncio.Protocol, asyncio.Transport):
+    """Server-side TLS over two memory BIOs, between the socket transport and the application
+    (``start_h2``). Per connection it holds an ``SSLObject`` and nothing else of size: no read
+    buffer of its own (the socket transport's read goes straight into the incoming BIO), no
+    write backlog (a write is encrypted and handed to the socket transport at once, in chunks,
+    so the outgoing BIO stays small), and the peer certificate is parsed when asked for, not
+    kept. It is the application's transport; flow control (pause/resume writing) comes from
+    the socket transport."""
+
+    __slots__ = (
+        "_app",
+        "_closing",
+        "_deadline",
+        "_in",
+        "_listener",
+        "_out",
+        "_raw",
+        "_ready",
+        "_source",
+        "_sslobj",
+        "_timer",
+    )
+
+    def __init__(
+        self, app: _Guard, listener: _Listener, source: str | None, handshake_timeout: float
+    ) -> None:
+        super().__init__()
+        self._app = app
+        self._listener = listener
+        self._source = source
+        self._deadline = listener.loop.time() + handshake_timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self._raw: asyncio.Transport | None = None
+        self._in = _ssl.MemoryBIO()
+        self._out = _ssl.MemoryBIO()
+        self._sslobj: _ssl.SSLObject | None = None
+        self._ready = False
+        self._closing = False
+
+    # -- protocol side (the socket transport calls these) ----------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        tls = self._listener.tls
+        assert tls is not None
+        self._raw = transport
+        self._sslobj = tls.wrap_bio(self._in, self._out, server_side=True)
+        self._timer = self._listener.loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._ready and self._raw is not None:
+            self._raw.abort()  # connection_lost reports the handshake timeout
+
+    def _send_tls(self) -> None:
+        if self._out.pending and self._raw is not None:
+            self._raw.write(self._out.read())
+
+    def data_received(self, data: bytes) -> None:
+        sslobj = self._sslobj
+        if sslobj is None:
+            return
+        self._in.write(data)
+        if not self._ready:
+            try:
+                sslobj.do_handshake()
+            except _ssl.SSLWantReadError:
+                self._send_tls()
+                return
+            except (_ssl.SSLError, OSError) as exc:
+                log.debug("TLS handshake failed: %s", exc)
+                self._send_tls()  # the alert
+                self._fail()
+                return
+            self._ready = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._send_tls()
+            self._app.connection_made(self)
+        chunks = []
+        eof = False
+        while True:
+            try:
+                chunk = sslobj.read(65_536)
+            except _ssl.SSLWantReadError:
+                break
+            except _ssl.SSLZeroReturnError:
+                eof = True  # close_notify
+                break
+            except (_ssl.SSLError, OSError) as exc:
+                log.debug("TLS read failed: %s", exc)
+                self._fail()
+                return
+            if not chunk:
+                break
+            chunks.append(chunk)
+        self._send_tls()  # TLS 1.3 post-handshake messages, key updates
+        if chunks and not self._closing:
+            self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        if eof:
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # the socket transport closes; connection_lost follows
+
+    def _fail(self) -> None:
+        self._closing = True
+        if self._raw is not None:
+            self._raw.abort()
+
+    def pause_writing(self) -> None:
+        self._app.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._app.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._closing = True
+        self._sslobj = None
+        self._raw = None
+        lst = self._listener
+        try:
+            if self._ready:
+                self._app.connection_lost(exc)
+        finally:
+            lst.release(self._source)
+            if not self._ready and lst.loop.time() >= self._deadline - 0.01:
+                lst.report(CloseReason.HANDSHAKE_TIMEOUT)
+
+    # -- transport side (the application calls these) --------------------------------------
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        sslobj, raw = self._sslobj, self._raw
+        if sslobj is None or raw is None or self._closing:
+            return
+        try:
+            if len(data) <= _TLS_CHUNK:
+                sslobj.write(data)
+                raw.write(self._out.read())
+                return
+            view = memoryview(data)
+            for i in range(0, len(view), _TLS_CHUNK):
+                sslobj.write(view[i : i + _TLS_CHUNK])
+                raw.write(self._out.read())
+        except (_ssl.SSLError, OSError) as exc:
+            log.debug("TLS write failed: %s", exc)
+            self._fail()
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        sslobj, raw = self._sslobj, self._raw
+        if sslobj is not None and raw is not None:
+            with contextlib.suppress(_ssl.SSLError, OSError):
+                sslobj.unwrap()  # queues close_notify (and wants the peer's: not waited for)
+            self._send_tls()
+        if raw is not None:
+            raw.close()
+
+    def abort(self) -> None:
+        self._closing = True
+        if self._raw is not None:
+            self._raw.abort()
+
+    def is_closing(self) -> bool:
+        return self._closing or self._raw is None or self._raw.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        sslobj = self._sslobj
+        if name == "peercert":
+            return sslobj.getpeercert() if sslobj is not None and self._ready else default
+        if name == "ssl_object":
+            return sslobj
+        if name == "sslcontext":
+            return self._listener.tls
+        if name == "cipher":
+            return sslobj.cipher() if sslobj is not None else default
+        return self._raw.get_extra_info(name, default) if self._raw is not None else default
+
+    def get_write_buffer_size(self) -> int:
+        return self._raw.get_write_buffer_size() if self._raw is not None else 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if self._raw is not None:
+            self._raw.set_write_buffer_limits(high, low)
+
+    def is_reading(self) -> bool:
+        return self._raw is not None and self._raw.is_reading()
+
+    def pause_reading(self) -> None:
+        if self._raw is not None:
+            self._raw.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._raw is not None:
+            self._raw.resume_reading()
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._app
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        raise NotImplementedError("the application protocol of a TLS connection is fixed")
 
 
 # -- timeouts ----------------------------------------------------------------------------------
@@ -778,6 +1003,7 @@ async def start_h2(
 
     loop = asyncio.get_running_loop()
     lst = _Listener(name, limits, ssl, lambda: service.protocol(report), _lean_h2_phase, on_refused)
+    lst.memory_tls = True
     srv = await loop.create_server(lst, host, port, backlog=limits.backlog)
     service.serving(srv)
     return Listener(srv, lst)
