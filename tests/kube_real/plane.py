@@ -24,8 +24,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from kubernetes import client
 
+from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.kube_mode import KubeMode, KubeSettings, connect
 from attestmesh.metrics import Metrics
+from attestmesh.secret_release import SecretReleaseSettings
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.inject import InjectConfig, SimInjection
@@ -176,11 +178,12 @@ async def kube_plane(
     *,
     webhook_port: int | None = None,
     metrics: Metrics | None = None,
+    secrets: SecretReleaseSettings | None = None,
     **kube_settings: Any,
 ) -> AsyncIterator[Plane]:
     """What ``attestmesh controlplane --kubernetes`` runs, against the server ``kc`` talks to,
     until it has synced. ``kube_settings`` override ``KubeSettings`` (e.g. the webhook
-    certificate's lifetime)."""
+    certificate's lifetime); ``secrets``: secret release on, fed from SecretPolicy CRs."""
     settings = ControlPlaneSettings(
         state_dir=state_dir,
         sim_platform_keys=(sim_key,),
@@ -188,6 +191,7 @@ async def kube_plane(
         xds_port=free_port(),
         ops_port=free_port(),
         deadline_check=timedelta(seconds=1),
+        secrets=secrets,
     )
     metrics = metrics or Metrics()
     options: dict[str, Any] = {
@@ -201,7 +205,13 @@ async def kube_plane(
         "watch_timeout": 30,
         "inject": InjectConfig(sim=SimInjection(GOOD.hex())),  # a test cluster
     }
-    mode = KubeMode(kc, KubeSettings(**(options | kube_settings)), metrics, state_dir=state_dir)
+    mode = KubeMode(
+        kc,
+        KubeSettings(**(options | kube_settings)),
+        metrics,
+        state_dir=state_dir,
+        secret_policies=SecretPolicies() if secrets is not None else None,
+    )
     stop = asyncio.Event()
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
