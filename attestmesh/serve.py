@@ -23,7 +23,6 @@ import aiohttp
 import yaml
 from aiohttp import web
 from cryptography import x509
-from grpclib.server import Server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -40,7 +39,7 @@ from attestmesh.controlplane import http as api
 from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.cp_attest import SelfAttestation
 from attestmesh.gcpolicy import GcPolicy
-from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc
+from attestmesh.listen import ListenLimits, start_aiohttp, start_h2
 from attestmesh.metrics import Metrics
 from attestmesh.replication import PgReplication
 from attestmesh.secret_release import SecretReleaseSettings
@@ -62,6 +61,7 @@ from certs.evidence.sim import load_platform_public_key
 from certs.keystore import open_key_store
 from certs.policy import parse_policies
 from sidecar.agent import EvidenceSource
+from xds.adsconn import LeanAds
 from xds.cache import SnapshotCache
 from xds.meshpolicy import parse_mesh_policies
 from xds.pb import install_validator_cache
@@ -640,7 +640,7 @@ async def run_control_plane(
         status_cmd.add_route(ops_app, lambda: cp.state, cache, lambda: datetime.now(UTC))
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
-        grpc = Server([AdsServer(cache, metrics, authorize=authorize)])
+        grpc = LeanAds(AdsServer(cache, metrics, authorize=authorize))
         secret_runners: list[web.AppRunner] = []
         try:
             await api_runner.setup()
@@ -659,7 +659,7 @@ async def run_control_plane(
                 ops_runner, "127.0.0.1", settings.ops_port, ssl=None, limits=ops_limits(lim),
                 name="ops", on_refused=on_refused,
             )  # fmt: skip
-            await start_grpc(
+            await start_h2(
                 grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds",
                 on_refused=on_refused,
             )  # fmt: skip
