@@ -83,9 +83,13 @@ from xds.store_pg import Changes
 
 log = logging.getLogger(__name__)
 CRL_VALIDITY = timedelta(hours=24)
-# revocations that need not go out with their transition are gathered this long, then the CRL
-# set is re-signed once for all of them (off the loop)
-CRL_COALESCE = timedelta(milliseconds=50)
+# Revocations that need not go out with their transition (a renewal's superseded certificate:
+# its workload is attested and holds the newer one) are gathered this long, then the CRL set is
+# re-signed once for all of them, off the loop. Every CRL change is sent to every stream (the
+# trust secret), so renewals at any rate cost at most one mesh-wide CRL push per interval; a
+# quarantine (or any revocation of a workload no longer attested) still goes out at once, with
+# every revocation gathered so far.
+CRL_COALESCE = timedelta(seconds=5)
 CRYPTO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _T = TypeVar("_T")
 # A vendor service that is down or answers with an error is not the workload's failure: the
@@ -517,10 +521,10 @@ class ControlPlane:
 
     def _crl_due(self) -> None:
         """Revocations that need not go out with their transition (a renewal superseded the
-        workload's older certificate; a withdrawn one nobody holds): the CRL set is re-signed
-        on a worker thread, one at a time, for every revocation made meanwhile (a burst of
-        renewals costs one signature per CRL, not one per renewal), then announced. Without
-        a running loop (synchronous use) it is built at once."""
+        workload's older certificate): the CRL set is re-signed on a worker thread once per
+        ``CRL_COALESCE`` for every revocation made meanwhile (renewals at any rate cost one
+        signature per CRL and one mesh-wide push per interval, not one per renewal), then
+        announced. Without a running loop (synchronous use) it is built at once."""
         self._crl_dirty = True
         if self._crl_task is not None:
             return

@@ -13,7 +13,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.controlplane import AttestationLimiter
+from attestmesh.controlplane import AttestationLimiter, service
 from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority
 from certs.evidence import sim
@@ -115,6 +115,7 @@ async def test_a_quarantine_drops_the_offered_nonce(tmp_path: Path) -> None:
 async def test_superseded_certificates_reach_the_crl_off_the_loop_in_few_signings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(service, "CRL_COALESCE", timedelta(milliseconds=50))
     p = plane(tmp_path, Clock(NOW))
     cp = p.cp
     signed_on: list[str] = []
@@ -154,3 +155,20 @@ async def test_a_quarantines_revocations_go_out_with_it(
     last = x509.load_pem_x509_crl(p.publisher.last_trust.crl_pem)
     assert last.get_revoked_certificate_by_serial_number(issued.serial) is not None
     assert last.next_update_utc - NOW > timedelta(hours=23)
+
+
+async def test_a_quarantine_sends_the_gathered_supersessions_at_once(tmp_path: Path) -> None:
+    """Renewals' revocations wait for the coalesced re-signing (CRL_COALESCE, seconds); a
+    quarantine meanwhile signs a CRL set at once that holds them too."""
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    issued = [await cp.attest(request("web-1", cp.challenge()[0]), None) for _ in range(6)]
+    superseded = {i.serial for i in issued[:-MAX_LIVE_CERTIFICATES]}
+    assert len(superseded) == 2
+    listed = {r.serial_number for r in x509.load_pem_x509_crl(cp.trust.crl_pem)}
+    assert not superseded & listed  # gathered, not signed yet
+    assert cp._crl_task is not None
+    cp.quarantine("web-1", Trigger.OPERATOR, "drill")
+    listed = {r.serial_number for r in x509.load_pem_x509_crl(cp.trust.crl_pem)}
+    assert {i.serial for i in issued} <= listed
+    cp._crl_task.cancel()  # (the test does not wait out the interval)
