@@ -1,4 +1,5 @@
-"""The fake API server speaks the protocol the real kubernetes client expects."""
+"""The fake API server speaks the protocol the real kubernetes client expects, for the slice
+the remaining fake-server tests use (tests/fakekube/server.py says which and why)."""
 
 from __future__ import annotations
 
@@ -69,34 +70,6 @@ async def test_generate_name(kube: FakeKube) -> None:
     assert created.metadata.name.startswith("web-") and len(created.metadata.name) == 9
 
 
-async def test_strategic_merge_patch_labels_and_conditions(kube: FakeKube) -> None:
-    api = core(kube)
-    await asyncio.to_thread(api.create_namespaced_pod, "shop", pod_body("a"))
-    patched = await asyncio.to_thread(
-        api.patch_namespaced_pod, "a", "shop", {"metadata": {"labels": {"q": "1"}}}
-    )
-    assert patched.metadata.labels == {"app": "web", "q": "1"}
-    assert kube.requests[-1][2] == "application/strategic-merge-patch+json"
-    cond = {"type": "Ready", "status": "True"}
-    await asyncio.to_thread(
-        api.patch_namespaced_pod_status, "a", "shop", {"status": {"conditions": [cond]}}
-    )
-    mine = {"type": "AttestmeshAttested", "status": "False", "reason": "Quarantined"}
-    after = await asyncio.to_thread(
-        api.patch_namespaced_pod_status, "a", "shop", {"status": {"conditions": [mine]}}
-    )
-    assert {c.type for c in after.status.conditions} == {"Ready", "AttestmeshAttested"}
-    # a status write through the main resource is ignored; a spec write via /status too
-    ignored = await asyncio.to_thread(
-        api.patch_namespaced_pod, "a", "shop", {"status": {"phase": "Failed"}}
-    )
-    assert ignored.status.phase is None
-    removed = await asyncio.to_thread(
-        api.patch_namespaced_pod, "a", "shop", {"metadata": {"labels": {"q": None}}}
-    )
-    assert removed.metadata.labels == {"app": "web"}
-
-
 async def test_json_patch_and_merge_patch(kube: FakeKube) -> None:
     api = core(kube)
     await asyncio.to_thread(api.create_namespaced_pod, "shop", pod_body("a"))
@@ -114,16 +87,6 @@ async def test_json_patch_and_merge_patch(kube: FakeKube) -> None:
     assert merged.metadata.labels["m"] == "1"
 
 
-async def test_node_taints_merge_by_key(kube: FakeKube) -> None:
-    api = core(kube)
-    node = {"metadata": {"name": "n1"}, "spec": {"taints": [{"key": "a", "effect": "NoSchedule"}]}}
-    await asyncio.to_thread(api.create_node, node)
-    t = {"key": "attestmesh.dev/platform-untrusted", "value": "true", "effect": "NoSchedule"}
-    for _ in range(2):
-        out = await asyncio.to_thread(api.patch_node, "n1", {"spec": {"taints": [t]}})
-    assert [x.key for x in out.spec.taints] == ["a", "attestmesh.dev/platform-untrusted"]
-
-
 async def test_update_conflict_on_stale_resource_version(kube: FakeKube) -> None:
     api = core(kube)
     await asyncio.to_thread(api.create_namespaced_pod, "shop", pod_body("a"))
@@ -136,22 +99,7 @@ async def test_update_conflict_on_stale_resource_version(kube: FakeKube) -> None
     assert exc.value.status == 409
 
 
-async def test_eviction_deletes_and_pdb_blocks(kube: FakeKube) -> None:
-    api = core(kube)
-    for name in ("a", "b"):
-        await asyncio.to_thread(api.create_namespaced_pod, "shop", pod_body(name))
-    kube.block_eviction("shop", "b")
-    body = client.V1Eviction(metadata=client.V1ObjectMeta(name="a", namespace="shop"))
-    await asyncio.to_thread(api.create_namespaced_pod_eviction, "a", "shop", body)
-    assert kube.get("pods", "shop", "a") is None
-    body_b = client.V1Eviction(metadata=client.V1ObjectMeta(name="b", namespace="shop"))
-    with pytest.raises(ApiException) as exc:
-        await asyncio.to_thread(api.create_namespaced_pod_eviction, "b", "shop", body_b)
-    assert exc.value.status == 429
-    assert kube.get("pods", "shop", "b") is not None
-
-
-async def test_events_both_apis(kube: FakeKube) -> None:
+async def test_core_events_and_only_json_and_merge_patches(kube: FakeKube) -> None:
     api = core(kube)
     ev = client.CoreV1Event(
         metadata=client.V1ObjectMeta(generate_name="a.", namespace="shop"),
@@ -161,21 +109,24 @@ async def test_events_both_apis(kube: FakeKube) -> None:
         type="Warning",
     )
     await asyncio.to_thread(api.create_namespaced_event, "shop", ev)
-    events_v1 = client.EventsV1Api(client.ApiClient(kube.configuration()))
-    new = client.EventsV1Event(
-        metadata=client.V1ObjectMeta(name="a.1", namespace="shop"),
-        event_time="2026-01-01T00:00:00.000000Z",
-        reporting_controller="attestmesh.dev/control-plane",
-        reporting_instance="cp-0",
-        action="Quarantine",
-        reason="Quarantined",
-        type="Warning",
-        regarding=client.V1ObjectReference(kind="Pod", name="a", namespace="shop"),
-    )
-    await asyncio.to_thread(events_v1.create_namespaced_event, "shop", new)
     listed = await asyncio.to_thread(api.list_namespaced_event, "shop")
     assert [e.reason for e in listed.items] == ["Quarantined"]
-    assert len(kube.list("events", "shop", group="events.k8s.io")) == 1
+    # what no remaining fake-server test needs is not served: events.k8s.io, strategic merge
+    # patch (the client's default for built-in kinds), evictions
+    events_v1 = client.EventsV1Api(client.ApiClient(kube.configuration()))
+    with pytest.raises(ApiException) as exc:
+        await asyncio.to_thread(events_v1.list_namespaced_event, "shop")
+    assert exc.value.status == 404
+    await asyncio.to_thread(api.create_namespaced_pod, "shop", pod_body("a"))
+    with pytest.raises(ApiException) as exc:
+        await asyncio.to_thread(
+            api.patch_namespaced_pod, "a", "shop", {"metadata": {"labels": {"q": "1"}}}
+        )
+    assert exc.value.status == 415
+    body = client.V1Eviction(metadata=client.V1ObjectMeta(name="a", namespace="shop"))
+    with pytest.raises(ApiException) as exc:
+        await asyncio.to_thread(api.create_namespaced_pod_eviction, "a", "shop", body)
+    assert exc.value.status == 404
 
 
 async def test_leases_conflict(kube: FakeKube) -> None:
@@ -278,7 +229,11 @@ async def test_watch_from_resource_version_streams_changes(kube: FakeKube) -> No
     await asyncio.sleep(0.1)
     await asyncio.to_thread(api.create_namespaced_pod, "shop", pod_body("b"))
     await asyncio.to_thread(
-        api.patch_namespaced_pod, "b", "shop", {"metadata": {"labels": {"x": "y"}}}
+        api.patch_namespaced_pod,
+        "b",
+        "shop",
+        {"metadata": {"labels": {"x": "y"}}},
+        _content_type="application/merge-patch+json",
     )
     await asyncio.to_thread(api.delete_namespaced_pod, "a", "shop")
     await asyncio.wait_for(task, 5)

@@ -1,6 +1,14 @@
 """A fake Kubernetes API server that the real ``kubernetes`` Python client can talk to.
 
-It implements, over real HTTP, the slice of the REST protocol attestmesh uses:
+Kept only for what the real API servers the tests start (tests/kube_real: kube-apiserver
+1.20.2, apiextensions-apiserver 1.36.4) cannot be made to produce: a failure answering one
+chosen request (``fail``: a 500 on a TokenReview or a first list, a 503 on a read, a 409 on a
+create that lost a race), a 410 ending an open watch at the moment a test chooses
+(``compact(drop_watches=True)``), and discovery.k8s.io/v1 EndpointSlices (1.20 serves
+v1beta1). Everything else runs against the real servers; what the remaining tests do not need
+(strategic merge patch, evictions and disruption budgets, events.k8s.io) is gone.
+
+It implements, over real HTTP, the slice of the REST protocol those tests use:
 
 - list with ``metadata.resourceVersion`` (a global counter), label and field selectors;
 - watch (``?watch=true``): newline-delimited JSON events ADDED/MODIFIED/DELETED, BOOKMARK when
@@ -9,13 +17,10 @@ It implements, over real HTTP, the slice of the REST protocol attestmesh uses:
   compacted history (``compact()``), as the real server does;
 - get, create (``generateName``), update (PUT, optimistic concurrency: 409 on a stale
   resourceVersion), delete;
-- patch: JSON patch, JSON merge patch, and strategic merge patch for built-in kinds (merge keys
-  for containers, volumes, conditions, taints, ...; ``$patch: delete``); custom resources refuse
-  strategic merge with 415 as the real server does;
+- patch: JSON patch and JSON merge patch (anything else: 415);
 - the ``status`` subresource: writes to the main resource keep status, writes to ``/status``
   change only status; ``metadata.generation`` moves only on spec changes;
-- ``pods/eviction`` (policy/v1 Eviction deletes the pod; 429 when ``block_eviction`` is set);
-- core/v1 and events.k8s.io/v1 events, coordination.k8s.io/v1 leases,
+- core/v1 events, coordination.k8s.io/v1 leases,
   authentication.k8s.io/v1 tokenreviews (tokens registered with ``add_token``; a token bound
   to a pod is answered as the real server answers a projected token: ``user.extra`` carries
   ``authentication.kubernetes.io/pod-name`` / ``pod-uid``, and the token is invalid once that
@@ -72,10 +77,8 @@ RESOURCES = (
     ResourceType("", "v1", "namespaces", "Namespace", False, True),
     ResourceType("", "v1", "services", "Service", True, True),
     ResourceType("", "v1", "events", "Event", True),
-    ResourceType("events.k8s.io", "v1", "events", "Event", True),
     ResourceType("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", True),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
-    ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, True),
     ResourceType(
         "attestmesh.dev", "v1alpha1", "attestationpolicies", "AttestationPolicy", True, True, False
     ),
@@ -86,21 +89,6 @@ RESOURCES = (
 # subresource and no metadata.generation, as on a real server. Not served by default so that
 # a test can still use them as a resource this server does not know.
 CONFIGMAPS = ResourceType("", "v1", "configmaps", "ConfigMap", True)
-
-# Strategic merge: list paths (list indexes dropped) -> merge key.
-MERGE_KEYS: dict[tuple[str, ...], str] = {
-    ("spec", "containers"): "name",
-    ("spec", "initContainers"): "name",
-    ("spec", "ephemeralContainers"): "name",
-    ("spec", "volumes"): "name",
-    ("spec", "containers", "env"): "name",
-    ("spec", "containers", "volumeMounts"): "mountPath",
-    ("spec", "containers", "ports"): "containerPort",
-    ("spec", "taints"): "key",
-    ("status", "conditions"): "type",
-    ("status", "addresses"): "type",
-    ("metadata", "ownerReferences"): "uid",
-}
 
 
 class ApiError(Exception):
@@ -226,52 +214,6 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def strategic_merge_patch(target: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
-    """The subset of strategic merge patch built-in kinds need (merge keys, $patch: delete)."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    if patch.get("$patch") == "replace":
-        return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if k.startswith("$"):
-            continue
-        sub = (*path, k)
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, list) and sub in MERGE_KEYS and isinstance(out.get(k), list):
-            out[k] = _merge_list(out[k], v, MERGE_KEYS[sub], sub)
-        elif isinstance(v, list):
-            out[k] = [
-                {ik: iv for ik, iv in item.items() if not ik.startswith("$")}
-                if isinstance(item, dict)
-                else item
-                for item in v
-                if not (isinstance(item, dict) and item.get("$patch") == "delete")
-            ]
-        else:
-            out[k] = strategic_merge_patch(out.get(k), v, sub)
-    return out
-
-
-def _merge_list(current: list[Any], patch: list[Any], key: str, path: tuple[str, ...]) -> list[Any]:
-    out = copy.deepcopy(current)
-    for item in patch:
-        if not isinstance(item, dict) or key not in item:
-            raise ApiError(422, "Invalid", f"{'.'.join(path)}: list item lacks merge key {key!r}")
-        idx = next(
-            (i for i, e in enumerate(out) if isinstance(e, dict) and e.get(key) == item[key]), None
-        )
-        if item.get("$patch") == "delete":
-            if idx is not None:
-                del out[idx]
-        elif idx is None:
-            out.append({k: v for k, v in item.items() if not k.startswith("$")})
-        else:
-            out[idx] = strategic_merge_patch(out[idx], item, path)
-    return out
-
-
 class FakeKube:
     """In-process API server. ``async with FakeKube() as kube: kube.url``."""
 
@@ -298,7 +240,6 @@ class FakeKube:
         self.tokens: dict[str, _Token] = {}
         self._sa_uids: dict[tuple[str, str], str] = {}
         self.token_reviews: list[dict[str, Any]] = []  # the spec of every TokenReview asked
-        self.blocked_evictions: set[tuple[str, str]] = set()
         self.fail_next: list[tuple[str, str, int]] = []
         self.requests: list[tuple[str, str, str]] = []
         self._changed = asyncio.Condition()
@@ -381,9 +322,6 @@ class FakeKube:
     def expire_token_cache(self) -> None:
         """As if ``token_cache_ttl`` had passed: every TokenReview is decided afresh."""
         self._token_cache.clear()
-
-    def block_eviction(self, namespace: str, name: str) -> None:
-        self.blocked_evictions.add((namespace, name))
 
     def fail(self, method: str, path_contains: str, code: int) -> None:
         """Answer the next matching request with ``code`` (a Status)."""
@@ -614,8 +552,6 @@ class FakeKube:
                 return web.json_response(await self._create(r, ns, body), status=201)
             raise ApiError(405, "MethodNotAllowed", f"{request.method} not allowed on a collection")
         key = (r.key, ns, name)
-        if sub == "eviction" and r.plural == "pods" and request.method == "POST":
-            return await self._evict(request, r, ns, name)
         if sub not in (None, "status") or (sub == "status" and not r.status_subresource):
             raise ApiError(404, "NotFound", f"{r.plural} has no subresource {sub}")
         if request.method == "GET":
@@ -693,16 +629,6 @@ class FakeKube:
             raise ApiError(400, "BadRequest", "patch body must be an object")
         if media == "application/merge-patch+json":
             return merge_patch(old, body), precondition
-        if media == "application/strategic-merge-patch+json":
-            if not r.builtin:
-                raise ApiError(
-                    415,
-                    "UnsupportedMediaType",
-                    "the body of the request was in an unknown format - accepted media types "
-                    "include: application/json-patch+json, application/merge-patch+json, "
-                    "application/apply-patch+yaml",
-                )
-            return strategic_merge_patch(old, body), precondition
         raise ApiError(415, "UnsupportedMediaType", f"unsupported patch type {media!r}")
 
     def _list(self, r: ResourceType, namespace: str | None, q: Any) -> dict[str, Any]:
@@ -796,26 +722,6 @@ class FakeKube:
             pass  # the client went away
         return resp
 
-    async def _evict(
-        self, request: web.Request, r: ResourceType, ns: str, name: str
-    ) -> web.Response:
-        body = await self._body(request)
-        if not isinstance(body, dict) or body.get("kind", "Eviction") != "Eviction":
-            raise ApiError(400, "BadRequest", "body must be a policy/v1 Eviction")
-        if (r.key, ns, name) not in self.objects:
-            raise ApiError(
-                404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"}
-            )
-        if (ns, name) in self.blocked_evictions:
-            raise ApiError(
-                429,
-                "TooManyRequests",
-                "Cannot evict pod as it would violate the pod's disruption budget.",
-                {"causes": [{"reason": "DisruptionBudget", "message": "blocked by test"}]},
-            )
-        await self._delete(r, ns, name)
-        return web.json_response(status_object(201, "", ""), status=201)
-
     def _bound_pod_invalid(self, token: _Token) -> str:
         """Why a pod-bound token no longer validates ("" when it does): the real server looks
         the pod up on every review (kube-apiserver 1.20 pkg/serviceaccount/claims.go)."""
@@ -898,5 +804,4 @@ __all__ = [
     "label_selector_matches",
     "merge_patch",
     "status_object",
-    "strategic_merge_patch",
 ]
