@@ -99,6 +99,9 @@ async def test_an_outage_refuses_only_opted_in_pods_and_up_it_mutates(
     for doc, webhook in (
         (labelled("outage-opted-pod", STORE), "inject-pod.attestmesh.dev"),
         (app_pod("outage-opted-ns", SHOP, annotations=dict(SIM)), "inject.attestmesh.dev"),
+        # kube-system is excluded by kubernetes.io/metadata.name, a label 1.20 does not set:
+        # there a pod that labels itself enabled is sent (and, the webhook down, refused)
+        (labelled("outage-sys-opted", "kube-system"), "inject-pod.attestmesh.dev"),
     ):
         status, body = await create(admin, doc)
         assert status == 500, body
@@ -122,3 +125,11 @@ async def test_an_outage_refuses_only_opted_in_pods_and_up_it_mutates(
         # a plain pod is still not sent to it
         status, body = await create(admin, app_pod("outage-plain-up", STORE))
         assert status == 201 and "initContainers" not in body["spec"], body
+        # on 1.20 a labelled kube-system pod is sent and mutated like any opted-in pod (the
+        # webhook's mutate step does not exclude kube-* namespaces; from 1.21 the
+        # namespaceSelector does)
+        status, body = await create(admin, labelled("outage-sys-up", "kube-system"))
+        assert status == 422, body
+        assert {c["field"] for c in body["details"]["causes"]} >= {
+            "spec.initContainers[1].startupProbe"
+        }, body
