@@ -35,12 +35,12 @@ from xds.store_pg import (
     PostgresStore,
     StoredCrl,
     download_ca,
-    last_revocation_change,
     publish_ca,
     read_crl,
     read_rows,
     redact_url,
     revocations_at,
+    revoked_since,
     store_crl,
 )
 
@@ -123,11 +123,13 @@ class CrlSigner:
     """A thread per replica that keeps the one CRL set (see the module docstring).
 
     It LISTENs on the change channel (every commit of every replica notifies it) and, after
-    each wake-up, waits ``settle_seconds`` so a burst of commits costs one step. A step on the
-    leader (``leadership.leading``) signs a new CRL set with ``ca()`` when a revocation was
-    committed after the stored one's ``covers_seq``, when the CA changed (rotation), when the
-    stored one is older than ``refresh`` (default: half of ``validity``) or when none is
-    stored, and stores it (``store_crl``: refused, and counted, unless the leader's election
+    each wake-up, waits ``settle_seconds`` so a burst of commits costs one step; the leader
+    signs at most once per ``min_interval_seconds`` (a CRL lists every revoked serial: under
+    sustained load each signature costs the whole list). A step on the
+    leader (``leadership.leading``) signs a new CRL set with ``ca()`` when a transaction from
+    the stored one's ``covers`` on committed a revocation, when the CA changed (rotation),
+    when the stored one is older than ``refresh`` (default: half of ``validity``) or when none
+    is stored, and stores it (``store_crl``: refused, and counted, unless the leader's election
     connection holds the lock when it commits); a step on any other replica reads the stored
     one if its number grew. Followers never sign. ``deliver(pem)`` is called on this thread
     with every CRL set this replica should serve from now on."""
@@ -144,6 +146,7 @@ class CrlSigner:
         validity: timedelta,
         refresh: timedelta | None = None,
         settle_seconds: float = 0.05,
+        min_interval_seconds: float = 0.25,
         poll_seconds: float = 0.5,
         retry_seconds: float = 0.5,
     ) -> None:
@@ -156,6 +159,8 @@ class CrlSigner:
         self.validity = validity
         self.refresh = validity / 2 if refresh is None else refresh
         self._settle = settle_seconds
+        self._min_interval = min_interval_seconds
+        self._signed_at = -float("inf")  # monotonic
         self._poll = poll_seconds
         self._retry = retry_seconds
         self._closed = threading.Event()
@@ -233,8 +238,10 @@ class CrlSigner:
             stored is None
             or ca is not self._signed_with
             or now - stored.signed_at >= self.refresh
-            or last_revocation_change(conn, stored.covers_seq) > 0
+            or revoked_since(conn, stored.covers)
         )
+        if due and time.monotonic() - self._signed_at < self._min_interval:
+            return  # signed a moment ago: the next step (a commit, or the poll) signs
         if not due:
             if self.stored is None or (stored is not None and stored.number > self.stored.number):
                 self._follow(conn)
@@ -245,7 +252,7 @@ class CrlSigner:
             conn,
             pem,
             signed_at=now,
-            covers_seq=seq,
+            covers=seq,
             revoked=len(revoked),
             origin=self.origin,
             leader_pid=self._leadership.backend_pid,
@@ -255,6 +262,7 @@ class CrlSigner:
             log.warning("CRL set not stored: this replica no longer holds the leader lock")
             return
         self.signed += 1
+        self._signed_at = time.monotonic()
         self._signed_with = ca
         self._serve(got)
 

@@ -68,12 +68,12 @@ __all__ = [
     "ChangeFeed",
     "Changes",
     "Leadership",
+    "Position",
     "PostgresStore",
     "StoredCrl",
     "download_ca",
     "follow",
     "is_postgres_url",
-    "last_revocation_change",
     "migrate_pg",
     "open_store",
     "pg_schema_version",
@@ -82,6 +82,7 @@ __all__ = [
     "read_rows",
     "redact_url",
     "revocations_at",
+    "revoked_since",
     "share_ca",
     "store_crl",
 ]
@@ -90,9 +91,12 @@ __all__ = [
 MIGRATION_LOCK = 0x6174_7465_7374_6D73
 # the first key of the two-key advisory locks taken per workload name (hashtext) by a commit
 ROW_LOCK_SPACE = 0x616D_7277  # "amrw"
-# taken last by every commit that changes rows: change numbers are allocated in commit order,
-# so a follower that has read up to N never sees N+1 appear later
-CHANGES_LOCK = 0x6174_6368_616E_6765
+# Changes are read in the order of their transaction ids, only below the oldest transaction
+# still running (pg_snapshot_xmin): a change below that horizon never appears later, so commits
+# need no lock of their own to be followed (a global one serialised every replica's commits,
+# fsync included). A follower's position: (xid, seq) of the last change it delivered.
+Position = tuple[int, int]
+XMIN = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 CHANNEL = "attestmesh_changes"
 CA_LOCK = 0x6174_6361  # serialises the first upload of the CA
 LEADER_LOCK = 0x6174_6C65_6164_6572  # session lock: held by the leader's connection
@@ -156,8 +160,20 @@ PG_MIGRATIONS: tuple[Migration, ...] = (
         "the CRL set the leader signs and every replica serves (one row: the latest)",
         (
             "CREATE TABLE crl (id integer PRIMARY KEY CHECK (id = 1), number bigint NOT NULL, "
-            "pem bytea NOT NULL, signed_at text NOT NULL, covers_seq bigint NOT NULL, "
+            "pem bytea NOT NULL, signed_at text NOT NULL, covers bigint NOT NULL, "
             "revoked integer NOT NULL, origin text NOT NULL)",
+        ),
+    ),
+    Migration(
+        6,
+        "changes are followed in transaction order below the oldest running transaction (no "
+        "lock serialising commits): each change records its transaction id; the last pruned "
+        "position is kept",
+        (
+            "ALTER TABLE changes ADD COLUMN xid xid8 NOT NULL DEFAULT pg_current_xact_id()",
+            "CREATE INDEX changes_by_xid ON changes(xid, seq)",
+            "CREATE TABLE changes_pruned (id integer PRIMARY KEY CHECK (id = 1), "
+            "xid bigint NOT NULL, seq bigint NOT NULL)",
         ),
     ),
 )
@@ -251,27 +267,31 @@ def _load(conn: psycopg.Connection[Any], trust_domain: str) -> MeshState:
     return _load_at(conn, trust_domain)[0]
 
 
-def _load_at(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshState, int]:
-    """Everything, and the last change number it includes (one snapshot)."""
+def _load_at(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshState, Position]:
+    """Everything, and the change-feed position it includes (one snapshot)."""
     with conn.transaction():  # one snapshot for every table
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         return _load_in(conn, trust_domain)
 
 
-def _load_in(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshState, int]:
-    """``_load_at`` inside the caller's (repeatable read) transaction."""
+def _load_in(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshState, Position]:
+    """``_load_at`` inside the caller's (repeatable read) transaction, before its first read:
+    the position is just below the oldest transaction running at the snapshot (every change
+    below it is in the snapshot; those above may be too, and are delivered again: rows as
+    stored now, harmless)."""
     loads = json.loads
+    got = conn.execute(f"SELECT {XMIN}".encode()).fetchone()  # takes the snapshot
+    position = (int(got[0]) - 1 if got else 0, 2**63 - 1)
     rows = conn.execute("SELECT name, doc FROM workloads ORDER BY name").fetchall()
     revs = conn.execute(
         "SELECT serial, workload, not_after, revoked_at FROM revocations "
         "ORDER BY revoked_at, serial"
     ).fetchall()
-    got = conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()
     workloads = {name: workload_from_doc(loads(doc)) for name, doc in rows}
     revocations = tuple(
         Revocation(int(s), _from_iso(na), _from_iso(ra), w) for s, w, na, ra in revs
     )
-    return MeshState(trust_domain, workloads, revocations), int(got[0]) if got else 0
+    return MeshState(trust_domain, workloads, revocations), position
 
 
 def _events(conn: psycopg.Connection[Any], workload: str | None, limit: int) -> list[Event]:
@@ -341,9 +361,9 @@ class _PgReader:
         state: MeshState = _read(self._c, "load", _load, trust_domain)
         return state
 
-    def load_at(self, trust_domain: str) -> tuple[MeshState, int]:
-        """``load`` and the last change number it includes (where a ``ChangeFeed`` starts)."""
-        got: tuple[MeshState, int] = _read(self._c, "load", _load_at, trust_domain)
+    def load_at(self, trust_domain: str) -> tuple[MeshState, Position]:
+        """``load`` and the change-feed position it includes (where a ``ChangeFeed`` starts)."""
+        got: tuple[MeshState, Position] = _read(self._c, "load", _load_at, trust_domain)
         return got
 
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
@@ -497,11 +517,12 @@ class PostgresStore:
 
     def _log_changes(self, conn: psycopg.Connection[Any], rows: _Rows) -> None:
         """One change row per workload and revocation written, then NOTIFY (delivered on
-        commit); under CHANGES_LOCK, held until the commit, so numbers follow commit order."""
+        commit). No lock: followers read in transaction order below the running ones. Pruning
+        deletes old changes of finished transactions and records the last position deleted
+        (a follower behind it resyncs)."""
         kinds = ["w"] * len(rows.workloads) + ["r"] * len(rows.revocations)
         if not kinds:
             return
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGES_LOCK,))
         got = conn.execute(
             "INSERT INTO changes(kind, key, origin) SELECT k, key, %s "
             "FROM unnest(%s::text[], %s::text[]) AS u(k, key) RETURNING seq",
@@ -511,7 +532,16 @@ class PostgresStore:
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{last} {self.origin}"))
         if last - self.max_changes > self._changes_pruned_below + self.max_changes // 100:
             self._changes_pruned_below = last - self.max_changes
-            conn.execute("DELETE FROM changes WHERE seq <= %s", (self._changes_pruned_below,))
+            conn.execute(
+                "WITH d AS (DELETE FROM changes WHERE seq <= %s "
+                "AND xid < pg_snapshot_xmin(pg_current_snapshot()) "
+                "RETURNING xid::text::bigint AS x, seq) "
+                "INSERT INTO changes_pruned(id, xid, seq) "
+                "SELECT 1, x, seq FROM d ORDER BY x DESC, seq DESC LIMIT 1 "
+                "ON CONFLICT (id) DO UPDATE SET xid = EXCLUDED.xid, seq = EXCLUDED.seq "
+                "WHERE (changes_pruned.xid, changes_pruned.seq) < (EXCLUDED.xid, EXCLUDED.seq)",
+                (self._changes_pruned_below,),
+            )
 
     def _write_rows(self, conn: psycopg.Connection[Any], rows: _Rows) -> int:
         upserts = [(n, d) for n, d in rows.workloads.items() if d is not None]
@@ -581,9 +611,10 @@ class Changes:
     ``workloads``: name -> stored row (None: deleted); ``revoked``: revocations stored now;
     ``unrevoked``: serials no longer stored. ``resync``: the change log no longer reached back
     to where the follower was (pruned): ``workloads`` and ``revoked`` are then everything
-    stored, and anything else the follower holds is gone. ``seq``: the last change included."""
+    stored, and anything else the follower holds is gone. ``position``: the last change
+    included (transaction id, change number)."""
 
-    seq: int
+    position: Position
     workloads: dict[str, WorkloadState | None]
     revoked: tuple[Revocation, ...] = ()
     unrevoked: frozenset[int] = frozenset()
@@ -607,7 +638,7 @@ class ChangeFeed:
         url: str,
         *,
         origin: str,
-        after: int,
+        after: Position,
         trust_domain: str,
         deliver: Callable[[Changes], object],
         poll_seconds: float = 0.5,
@@ -668,7 +699,7 @@ class ChangeFeed:
             self.last_contact = time.monotonic()
             if changes is None:
                 return
-            self.after = changes.seq
+            self.after = changes.position
             if (
                 changes.workloads
                 or changes.revoked
@@ -686,29 +717,37 @@ class ChangeFeed:
                 return
 
     def _read(self, conn: psycopg.Connection[Any]) -> tuple[Changes | None, bool]:
-        """One statement (one snapshot, one round trip): the changes after ``after``, each with
-        the row it names as stored now (other replicas' only), and the oldest change kept."""
+        """One statement (one snapshot, one round trip): the changes after ``after`` in
+        transaction order, of transactions older than any still running, each with the row it
+        names as stored now (other replicas' only); and the last position pruned (the first
+        row carries it, even when there is no change)."""
         loads = json.loads
         rows = conn.execute(
-            "SELECT c.seq, c.kind, c.key, c.origin, w.doc, r.workload, r.not_after, "
-            "r.revoked_at, (SELECT min(seq) FROM changes) FROM changes c "
+            "SELECT p.xid, p.seq, c.* FROM (SELECT 1) one "
+            "LEFT JOIN changes_pruned p ON true LEFT JOIN LATERAL ("
+            "SELECT c.xid::text::bigint, c.seq, c.kind, c.key, c.origin, w.doc, r.workload, "
+            "r.not_after, r.revoked_at FROM changes c "
             "LEFT JOIN workloads w ON c.kind = 'w' AND c.origin <> %(me)s AND w.name = c.key "
             "LEFT JOIN revocations r ON c.kind = 'r' AND c.origin <> %(me)s AND r.serial = c.key "
-            "WHERE c.seq > %(after)s ORDER BY c.seq LIMIT %(n)s",
-            {"me": self.origin, "after": self.after, "n": self._batch},
+            "WHERE (c.xid, c.seq) > (%(xid)s::text::xid8, %(seq)s) "
+            "AND c.xid < pg_snapshot_xmin(pg_current_snapshot()) "
+            "ORDER BY c.xid, c.seq LIMIT %(n)s) c ON true",
+            {"me": self.origin, "xid": self.after[0], "seq": self.after[1], "n": self._batch},
         ).fetchall()
-        if not rows:
-            return None, False
-        if int(rows[0][8]) > self.after + 1:  # pruned past this follower: everything, anew
+        pruned = (rows[0][0], rows[0][1])
+        if pruned[0] is not None and (int(pruned[0]), int(pruned[1])) > self.after:
+            # changes this follower has not read were pruned: everything, anew
             with conn.transaction():
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                state, seq = _load_in(conn, self.trust_domain)
-            return Changes(seq, dict(state.workloads), state.revocations, resync=True), False
+                state, position = _load_in(conn, self.trust_domain)
+            return Changes(position, dict(state.workloads), state.revocations, resync=True), False
+        if rows[0][2] is None:
+            return None, False
         workloads: dict[str, WorkloadState | None] = {}
         revoked: dict[int, Revocation] = {}
         unrevoked: set[int] = set()
         ca = False
-        for _, kind, key, origin, doc, workload, not_after, revoked_at, _ in rows:
+        for _, _, _, _, kind, key, origin, doc, workload, not_after, revoked_at in rows:
             if origin == self.origin:
                 continue
             if kind == "c":
@@ -725,8 +764,8 @@ class ChangeFeed:
                 revoked[int(key)] = Revocation(
                     int(key), _from_iso(not_after), _from_iso(revoked_at), workload
                 )
-        seq = int(rows[-1][0])
-        changes = Changes(seq, workloads, tuple(revoked.values()), frozenset(unrevoked), ca=ca)
+        position = (int(rows[-1][2]), int(rows[-1][3]))
+        changes = Changes(position, workloads, tuple(revoked.values()), frozenset(unrevoked), ca=ca)
         return changes, len(rows) == self._batch
 
 
@@ -743,13 +782,13 @@ def follow(
         return store.load(trust_domain), None
     reader = _PgReader(backend.url)
     try:
-        state, seq = reader.load_at(trust_domain)
+        state, position = reader.load_at(trust_domain)
     finally:
         reader.close()
     feed = ChangeFeed(
         backend.url,
         origin=backend.origin,
-        after=seq,
+        after=position,
         trust_domain=trust_domain,
         deliver=deliver,
         **options,
@@ -812,7 +851,6 @@ def publish_ca(url: str, directory: Path, origin: str) -> None:
     (a change of kind ``c``: their feeds deliver ``Changes.ca`` and they reload it)."""
     with _connect(url) as conn, conn.transaction():
         _upload_ca(conn, directory)
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGES_LOCK,))
         conn.execute("INSERT INTO changes(kind, key, origin) VALUES ('c', 'ca', %s)", (origin,))
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"ca {origin}"))
 
@@ -923,13 +961,14 @@ def read_rows(url: str, names: Sequence[str]) -> dict[str, WorkloadState | None]
 @dataclass(frozen=True, slots=True)
 class StoredCrl:
     """The CRL set as the leader stored it: ``number`` counts the CRLs stored in this
-    database (it only grows), ``covers_seq`` is the change number up to which every revocation
-    committed by any replica is in it, ``revoked`` how many serials it lists."""
+    database (it only grows), ``covers`` the transaction id below which every revocation
+    committed by any replica is in it (the oldest transaction running when it was read),
+    ``revoked`` how many serials it lists."""
 
     number: int
     pem: bytes
     signed_at: datetime
-    covers_seq: int
+    covers: int
     revoked: int
     origin: str
 
@@ -938,9 +977,9 @@ def read_crl(conn: psycopg.Connection[Any], *, with_pem: bool = True) -> StoredC
     """The stored CRL set (None: the leader has not stored one yet); ``with_pem=False``: all
     but the PEM (``pem`` empty), to check whether a new one was stored."""
     if with_pem:
-        query = "SELECT number, pem, signed_at, covers_seq, revoked, origin FROM crl"
+        query = "SELECT number, pem, signed_at, covers, revoked, origin FROM crl"
     else:
-        query = "SELECT number, ''::bytea, signed_at, covers_seq, revoked, origin FROM crl"
+        query = "SELECT number, ''::bytea, signed_at, covers, revoked, origin FROM crl"
     row = conn.execute(query).fetchone()
     if row is None:
         return None
@@ -951,23 +990,24 @@ def read_crl(conn: psycopg.Connection[Any], *, with_pem: bool = True) -> StoredC
 
 
 def revocations_at(conn: psycopg.Connection[Any]) -> tuple[list[tuple[int, datetime]], int]:
-    """Every stored revocation (serial, revoked at) and the change number the read includes,
-    in one snapshot: a CRL signed from it covers every revocation committed up to that
-    number, by any replica."""
+    """Every stored revocation (serial, revoked at) and the oldest transaction id running at
+    the snapshot: a CRL signed from it covers every revocation committed by a transaction
+    below that id, by any replica (and maybe some above)."""
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        got = conn.execute(f"SELECT {XMIN}".encode()).fetchone()  # takes the snapshot
         rows = conn.execute("SELECT serial, revoked_at FROM revocations ORDER BY serial").fetchall()
-        got = conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()
     return [(int(s), _from_iso(at)) for s, at in rows], int(got[0]) if got else 0
 
 
-def last_revocation_change(conn: psycopg.Connection[Any], after: int) -> int:
-    """The number of the last revocation change (revoked or unrevoked) after ``after``; 0 if
-    none (a range scan of the change log from ``after``)."""
+def revoked_since(conn: psycopg.Connection[Any], covers: int) -> bool:
+    """A revocation change (revoked or unrevoked) of a transaction from ``covers`` on, that
+    a CRL covering ``covers`` may lack (a range scan of the change log's xid index)."""
     got = conn.execute(
-        "SELECT coalesce(max(seq), 0) FROM changes WHERE seq > %s AND kind = 'r'", (after,)
+        "SELECT EXISTS (SELECT 1 FROM changes WHERE xid >= %s::text::xid8 AND kind = 'r')",
+        (covers,),
     ).fetchone()
-    return int(got[0]) if got else 0
+    return bool(got and got[0])
 
 
 def store_crl(
@@ -975,7 +1015,7 @@ def store_crl(
     pem: bytes,
     *,
     signed_at: datetime,
-    covers_seq: int,
+    covers: int,
     revoked: int,
     origin: str,
     leader_pid: int,
@@ -985,7 +1025,6 @@ def store_crl(
     holds the leader lock when it commits, and the stored CRL covers no more than this one
     (a deposed leader's late write never replaces its successor's). None: refused."""
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGES_LOCK,))
         held = conn.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
             "AND pid = %s AND objsubid = 1 AND database = "
@@ -996,16 +1035,16 @@ def store_crl(
         if not held or not held[0]:
             return None
         got = conn.execute(
-            "INSERT INTO crl(id, number, pem, signed_at, covers_seq, revoked, origin) "
+            "INSERT INTO crl(id, number, pem, signed_at, covers, revoked, origin) "
             "VALUES (1, 1, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
             "number = crl.number + 1, pem = EXCLUDED.pem, signed_at = EXCLUDED.signed_at, "
-            "covers_seq = EXCLUDED.covers_seq, revoked = EXCLUDED.revoked, "
-            "origin = EXCLUDED.origin WHERE crl.covers_seq <= EXCLUDED.covers_seq "
+            "covers = EXCLUDED.covers, revoked = EXCLUDED.revoked, "
+            "origin = EXCLUDED.origin WHERE crl.covers <= EXCLUDED.covers "
             "RETURNING number",
-            (pem, signed_at.isoformat(), covers_seq, revoked, origin),
+            (pem, signed_at.isoformat(), covers, revoked, origin),
         ).fetchone()
         if got is None:
             return None
         conn.execute("INSERT INTO changes(kind, key, origin) VALUES ('l', 'crl', %s)", (origin,))
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"crl {origin}"))
-    return StoredCrl(int(got[0]), pem, signed_at, covers_seq, revoked, origin)
+    return StoredCrl(int(got[0]), pem, signed_at, covers, revoked, origin)

@@ -135,9 +135,7 @@ def test_a_crl_from_a_replica_without_the_leader_lock_or_older_than_stored_is_re
             kwargs = {"signed_at": NOW, "revoked": 0, "origin": "intruder"}
             # this connection is no leader: its own pid holds no leader lock
             assert (
-                store_crl(
-                    conn, b"forged", covers_seq=10**9, leader_pid=conn.info.backend_pid, **kwargs
-                )  # type: ignore[arg-type]
+                store_crl(conn, b"forged", covers=10**9, leader_pid=conn.info.backend_pid, **kwargs)  # type: ignore[arg-type]
                 is None
             )
             # the leader's pid, but covering less than the stored one (a deposed leader's late write)
@@ -145,7 +143,7 @@ def test_a_crl_from_a_replica_without_the_leader_lock_or_older_than_stored_is_re
                 store_crl(
                     conn,
                     b"late",
-                    covers_seq=before.covers_seq - 1,
+                    covers=before.covers - 1,
                     leader_pid=node.leadership.backend_pid,
                     **kwargs,
                 )  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ announcements."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import time
 from collections.abc import Callable
@@ -19,14 +20,14 @@ from tests.pg_harness import PgCluster
 from tests.unit.fixtures_core import NOW, TRUST_DOMAIN, Clock, registration
 from tests.unit.xds.test_store_batch import rev, wl
 from xds.state import Status, Trigger
-from xds.store import Batch
+from xds.store import Batch, workload_to_doc
 from xds.store_pg import ChangeFeed, Changes, PostgresStore, follow, open_store
 
 pytestmark = pytest.mark.integration
 
 
 def feed_on(
-    url: str, origin: str, after: int = 0, **options: object
+    url: str, origin: str, after: tuple[int, int] = (0, 0), **options: object
 ) -> tuple[ChangeFeed, queue.Queue[Changes]]:
     got: queue.Queue[Changes] = queue.Queue()
     feed = ChangeFeed(
@@ -106,10 +107,13 @@ def test_a_follower_behind_a_pruned_log_gets_everything(pg_url: str) -> None:
     other = PostgresStore(pg_url, origin="other", max_changes=10)
     try:
         other.write(Batch(upserts={"gone": wl("gone")}))
+        with psycopg.connect(pg_url) as conn:  # a follower that read this first change only
+            first = conn.execute("SELECT xid::text::bigint, seq FROM changes").fetchone()
+        assert first is not None
         for i in range(40):
             other.write(Batch(upserts={f"w{i}": wl(f"w{i}", i + 1)}))
         other.write(Batch(deletes=frozenset({"gone"})))
-        feed, got = feed_on(pg_url, "mine", after=1)  # it had read only the first change
+        feed, got = feed_on(pg_url, "mine", after=(int(first[0]), int(first[1])))
         try:
             ch = got.get(timeout=10)
             assert ch.resync
@@ -242,3 +246,33 @@ async def test_a_change_arriving_while_a_write_is_in_flight_is_read_again(
     finally:
         a.close()
         b.close()
+
+
+def test_commits_do_not_wait_for_each_other_and_the_feed_follows_transaction_order(
+    pg_url: str,
+) -> None:
+    """A replica's transaction still open (older: it took its transaction id first) does not
+    hold up another replica's commit (no lock serialises commits); the feed delivers the newer
+    commit only once the older transaction ended, and misses neither (a follower reading in
+    commit order alone would have passed the older one's change by)."""
+    PostgresStore(pg_url, origin="setup").close()  # the schema
+    other = PostgresStore(pg_url, origin="other")
+    feed, got = feed_on(pg_url, "mine", poll_seconds=0.05)
+    try:
+        with psycopg.connect(pg_url) as slow:  # a transaction, open until commit below
+            slow.execute(
+                "INSERT INTO workloads(name, doc) VALUES ('slow', %s)",
+                (json.dumps(workload_to_doc(wl("slow"))),),
+            )
+            slow.execute("INSERT INTO changes(kind, key, origin) VALUES ('w', 'slow', 'third')")
+            started = time.monotonic()
+            other.write(Batch(upserts={"fast": wl("fast")}))  # commits while 'slow' is open
+            assert time.monotonic() - started < 2.0
+            time.sleep(0.5)  # several polls: 'fast' is held back behind the running one
+            assert got.empty()
+            slow.commit()
+        rows, _ = collect(got, lambda r, s: "slow" in r and "fast" in r)
+        assert rows["slow"] == wl("slow") and rows["fast"] == wl("fast")
+    finally:
+        feed.close()
+        other.close()
