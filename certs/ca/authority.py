@@ -120,7 +120,7 @@ class CertificateAuthority:
 
     @property
     def intermediate_pem(self) -> bytes:
-        return self.intermediate.cert.public_bytes(serialization.Encoding.PEM)
+        return self.intermediate.pem
 
     @property
     def issuers(self) -> tuple[Issuer, ...]:
@@ -142,9 +142,7 @@ class CertificateAuthority:
     def chain_pem(self, leaf: x509.Certificate, issuer: Issuer | None = None) -> bytes:
         """The leaf and the intermediate that signed it, in that order. ``issuer``: the one
         known to have just signed it (saves finding it by verifying the leaf's signature)."""
-        return leaf.public_bytes(serialization.Encoding.PEM) + (
-            issuer or self.issuer_of(leaf)
-        ).cert.public_bytes(serialization.Encoding.PEM)
+        return leaf.public_bytes(serialization.Encoding.PEM) + (issuer or self.issuer_of(leaf)).pem
 
     def crl_pem(
         self, revoked: Iterable[tuple[int, datetime]], now: datetime, next_update: timedelta

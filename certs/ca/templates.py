@@ -9,11 +9,11 @@ pyproject.toml).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -27,8 +27,18 @@ BACKDATE = timedelta(seconds=30)
 
 @dataclass(frozen=True, slots=True)
 class Issuer:
+    """A CA certificate and its key; what every leaf and CRL it signs repeats about it (its PEM
+    for chains, its key identifier) is computed once."""
+
     cert: x509.Certificate
     key: ec.EllipticCurvePrivateKey
+    pem: bytes = field(init=False, compare=False, repr=False)
+    key_identifier: x509.AuthorityKeyIdentifier = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pem", self.cert.public_bytes(serialization.Encoding.PEM))
+        aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key())
+        object.__setattr__(self, "key_identifier", aki)
 
 
 def leaf_validity(
@@ -109,7 +119,7 @@ def build_leaf(
         )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key), critical=False)
         .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            issuer.key_identifier,
             critical=False,
         )
         .add_extension(x509.UnrecognizedExtension(CLAIMS_OID, claims_extension), critical=False)
@@ -130,7 +140,7 @@ def build_crl(
         .last_update(now - BACKDATE)
         .next_update(now + next_update)
         .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.key.public_key()),
+            issuer.key_identifier,
             critical=False,
         )
     )
