@@ -382,7 +382,7 @@ class ControlPlane:
             log.warning("cannot read %d changed rows again: %s", len(names), exc)
             self._skipped.update(names)
             return
-        self.adopt_changes(Changes(0, rows))
+        self.adopt_changes(Changes((0, 0), rows))  # read directly: no feed position
 
     def adopt_rows(
         self,
@@ -617,20 +617,19 @@ class ControlPlane:
         reg = w.registration
         governing = policies_for(self._policies, reg.namespace, reg.service_account, reg.labels)
         interval = min((p.reattestation_interval for p in governing), default=DEFAULT_REATTESTATION)
-        serial = self._serials()
         spiffe = reg.spiffe_id(self._state.trust_domain)
         ca = self._ca
         try:
             collateral = await self._collateral_for(req, now)
             full = req if collateral is None else replace(req, collateral=collateral)
             signed = await self._off_loop(
-                _verify_and_sign, full, self._verifiers, governing, ca, spiffe, serial, now
+                _verify_and_sign, full, self._verifiers, governing, ca, spiffe, self._serials, now
             )
         except EvidenceRejected as exc:
             self._refused(req.workload, exc, now)
             raise
         admission, leaf = signed
-        admitted = admission.admitted
+        admitted, serial = admission.admitted, leaf.serial
         not_after = leaf.not_after
         due = min(now + interval, not_after)
         record = AttestationRecord(
@@ -1042,10 +1041,11 @@ def _verify_and_sign(
     governing: Sequence[AttestationPolicy],
     ca: CertificateAuthority,
     spiffe_id: str,
-    serial: int,
+    serials: Callable[[], int],
     now: datetime,
 ) -> tuple[Admission, Leaf]:
-    """The CPU-bound part of an attestation (runs on a worker thread): verify -> bind ->
-    appraise, and only the ``Admission`` that comes out reaches the CA."""
+    """The CPU-bound part of an attestation (runs on a worker thread, with the serial number's
+    randomness): verify -> bind -> appraise, and only the ``Admission`` that comes out reaches
+    the CA."""
     admission = decide(verify_request(req, verifiers, now), governing, now)
-    return admission, issue(admission, ca, spiffe_id=spiffe_id, serial=serial, now=now)
+    return admission, issue(admission, ca, spiffe_id=spiffe_id, serial=serials(), now=now)
