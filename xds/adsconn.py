@@ -3,10 +3,11 @@ serving both RPCs of the AggregatedDiscoveryService with the sessions of :mod:`x
 
 Per connection: one ``H2Server`` (no HPACK encoder; a decoder made on the first HEADERS),
 the peer identity read once from the client certificate. Per stream: a :class:`_Call` and,
-after the first request, the session, the cache's watch and one task that waits on the watch
-and writes what the session makes due. Requests are decoded by :mod:`xds.adswire` in
-``data_received`` and fed to the session there; an ACK costs a decode and a session update.
-A push costs the session's encoding and one ``transport.write`` of the framed bytes.
+after the first request, the session and the cache's watch, whose event is replaced by a
+:class:`_Wake` that schedules :meth:`AdsConnection.push` (no task per stream). Requests are
+decoded by :mod:`xds.adswire` in ``data_received`` and fed to the session there; an ACK
+costs a decode and a session update. A push costs the session's encoding and one
+``transport.write`` of the framed bytes.
 
 gRPC semantics kept from the grpclib server (and tested against a grpclib client): response
 headers with the first message; trailers ``grpc-status`` (and ``grpc-message``) when the
@@ -27,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from xds import sync_status
@@ -49,6 +50,7 @@ from xds.server import (
     AdsSession,
     DeltaSession,
     PeerIdentity,
+    StillAllowed,
     peer_identity,
     still_allowed_for,
 )
@@ -76,32 +78,58 @@ def parse_grpc_timeout(value: bytes) -> float | None:
     return None if unit is None else int(value[:-1]) * unit
 
 
+class _Wake:
+    """Stands in for a cache watch's ``asyncio.Event`` (``Watch.changed``): ``set`` schedules
+    the stream's push with ``call_soon`` instead of waking a task, so a stream needs no task
+    (``set`` is all the cache calls)."""
+
+    __slots__ = ("_call", "_conn", "_set")
+
+    def __init__(self, conn: AdsConnection, call: _Call) -> None:
+        self._conn = conn
+        self._call = call
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            asyncio.get_running_loop().call_soon(self._conn.push, self._call)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def clear(self) -> None:
+        self._set = False
+
+
 class _Call:
     __slots__ = (
         "deadline",
         "delta",
         "done",
-        "drained",
         "node",
+        "opened",
         "session",
+        "sid",
         "started",
-        "task",
+        "still_allowed",
         "timer",
-        "watch",
+        "wake",
         "watch_cm",
     )
 
-    def __init__(self, delta: bool) -> None:
+    def __init__(self, sid: int, delta: bool) -> None:
+        self.sid = sid
         self.delta = delta
         self.session: Any = None
         self.node = ""
-        self.watch: Watch | None = None
+        self.wake: _Wake | None = None
         self.watch_cm: contextlib.AbstractContextManager[Watch] | None = None
-        self.task: asyncio.Task[None] | None = None
+        self.still_allowed: StillAllowed | None = None
         self.timer: asyncio.TimerHandle | None = None  # the first request must come before it
         self.deadline: asyncio.TimerHandle | None = None  # grpc-timeout
-        self.drained: asyncio.Future[None] | None = None
         self.started = False  # response headers sent
+        self.opened = False  # counted as an open stream (metrics, sync_status, watch)
         self.done = False
 
 
@@ -168,7 +196,16 @@ class LeanAds:
 class AdsConnection(asyncio.Protocol):
     """One HTTP/2 connection on the ADS port."""
 
-    __slots__ = ("_calls", "_h2", "_paused", "_peer", "_report", "_server", "_transport")
+    __slots__ = (
+        "_blocked",
+        "_calls",
+        "_h2",
+        "_paused",
+        "_peer",
+        "_report",
+        "_server",
+        "_transport",
+    )
 
     def __init__(self, server: LeanAds, report: Report | None) -> None:
         self._server = server
@@ -178,6 +215,7 @@ class AdsConnection(asyncio.Protocol):
         self._calls: dict[int, _Call] = {}
         self._peer: PeerIdentity | None = None
         self._paused = False
+        self._blocked: set[_Call] | None = None  # calls waiting for window or resume_writing
 
     # -- what attestmesh.listen reads -------------------------------------------------------
 
@@ -213,7 +251,7 @@ class AdsConnection(asyncio.Protocol):
             if self._transport is not None:
                 self._transport.close()
             return
-        if any(call.drained is not None for call in self._calls.values()):
+        if self._blocked:
             self._wake_drained()  # a WINDOW_UPDATE or SETTINGS may have opened the window
         self._flush()
 
@@ -288,15 +326,24 @@ class AdsConnection(asyncio.Protocol):
             self._stop(call)
 
     def _stop(self, call: _Call) -> None:
+        """The call is over: timers off, the watch left, the stream uncounted (once)."""
+        if call.done:
+            return
         call.done = True
         for timer in (call.timer, call.deadline):
             if timer is not None:
                 timer.cancel()
         call.timer = call.deadline = None
-        if call.watch is not None:
-            call.watch.changed.set()  # the pump wakes, sees done and cleans up
-        if call.drained is not None and not call.drained.done():
-            call.drained.set_result(None)
+        if self._blocked:
+            self._blocked.discard(call)
+        if call.opened:
+            call.opened = False
+            ads = self._server.ads
+            ads.metrics.xds_stream(-1)
+            sync_status.closed(ads.cache, call.node, call.session)
+            if call.watch_cm is not None:
+                call.watch_cm.__exit__(None, None, None)
+                call.watch_cm = None
 
     def _end_all(self) -> None:
         calls, self._calls = self._calls, {}
@@ -304,11 +351,15 @@ class AdsConnection(asyncio.Protocol):
             self._stop(call)
 
     def _wake_drained(self) -> None:
+        blocked = self._blocked
+        if not blocked or self._paused:
+            return
         h2 = self._h2
-        for sid, call in self._calls.items():
-            fut = call.drained
-            if fut is not None and not fut.done() and (h2 is None or not h2.pending(sid)):
-                fut.set_result(None)
+        for call in list(blocked):
+            if h2 is None or not h2.pending(call.sid):
+                blocked.discard(call)
+                if call.wake is not None:
+                    call.wake.set()  # push again: what was held back is still due
 
     # -- H2Handler ---------------------------------------------------------------------------
 
@@ -335,9 +386,9 @@ class AdsConnection(asyncio.Protocol):
             h2.send_trailers(stream_id, encode_headers([(b":status", status)]))
             return
         if path == SOTW_PATH:
-            call = _Call(delta=False)
+            call = _Call(stream_id, delta=False)
         elif path == DELTA_PATH:
-            call = _Call(delta=True)
+            call = _Call(stream_id, delta=True)
         else:
             self._trailers_only(stream_id, UNIMPLEMENTED, f"method not found: {path!r}")
             return
@@ -377,8 +428,8 @@ class AdsConnection(asyncio.Protocol):
             self._end(stream_id, INVALID_ARGUMENT, f"undecodable request: {exc}")
             return
         if call.session is not None:
-            if call.session.on_request(req) and call.watch is not None:
-                call.watch.changed.set()
+            if call.session.on_request(req) and call.wake is not None:
+                call.wake.set()
             return
         self._first(stream_id, call, req)
 
@@ -408,11 +459,17 @@ class AdsConnection(asyncio.Protocol):
         )
         call.session.on_request(req)
         cache: SnapshotCache = ads.cache
+        call.still_allowed = still_allowed_for(ads.authorize, self._peer_identity())
         call.watch_cm = cache.watch(node)
-        call.watch = call.watch_cm.__enter__()
+        watch = call.watch_cm.__enter__()
+        call.opened = True
         ads.metrics.xds_stream(+1)
         sync_status.opened(cache, node, call.session)
-        call.task = asyncio.get_running_loop().create_task(self._pump(sid, call))
+        call.wake = _Wake(self, call)
+        initially = watch.changed.is_set()
+        watch.changed = call.wake  # type: ignore[assignment]  # see _Wake
+        if initially:
+            call.wake.set()
 
     def on_end(self, stream_id: int) -> None:
         # the client half-closed: nothing more will be asked; the stream ends (as grpclib's
@@ -427,64 +484,47 @@ class AdsConnection(asyncio.Protocol):
 
     # -- the push side -----------------------------------------------------------------------
 
-    async def _pump(self, sid: int, call: _Call) -> None:
-        ads = self._server.ads
-        cache: SnapshotCache = ads.cache
-        watch = call.watch
-        assert watch is not None
-        still_allowed = still_allowed_for(ads.authorize, self._peer_identity())
-        node, session = call.node, call.session
-        try:
-            while True:
-                await watch.changed.wait()
-                watch.changed.clear()
-                if call.done:
-                    return
-                if still_allowed is not None and not still_allowed(node):
-                    self._end(
-                        sid,
-                        PERMISSION_DENIED,
-                        f"the client certificate no longer identifies node {node!r}",
-                    )
-                    self._flush()
-                    transport = self._transport
-                    if transport is not None:
-                        asyncio.get_running_loop().call_later(
-                            REFUSED_CONNECTION_CLOSE_S, transport.close
-                        )
-                    return
-                snapshot = cache.get(node)
-                if snapshot is None:
-                    continue
-                await self._send_all(sid, call, session.responses(snapshot))
-        finally:
-            ads.metrics.xds_stream(-1)
-            sync_status.closed(cache, node, session)
-            if call.watch_cm is not None:
-                call.watch_cm.__exit__(None, None, None)
-                call.watch_cm = None
-            if self._calls.get(sid) is call:
-                self._calls.pop(sid)
-
-    async def _send_all(self, sid: int, call: _Call, messages: Iterator[bytes]) -> None:
-        for message in messages:
-            h2 = self._h2
-            if h2 is None or call.done:
-                return
+    def push(self, call: _Call) -> None:
+        """Send what the stream's session makes due for the node's current snapshot (called
+        soon after the watch is set). Stops while the peer's window or the transport is
+        full; what was not taken stays due in the session, and is pushed once drained."""
+        wake = call.wake
+        if wake is None or call.done:
+            return
+        wake.clear()
+        h2 = self._h2
+        if h2 is None or self._calls.get(call.sid) is not call:
+            return
+        if call.still_allowed is not None and not call.still_allowed(call.node):
+            self._end(
+                call.sid,
+                PERMISSION_DENIED,
+                f"the client certificate no longer identifies node {call.node!r}",
+            )
+            self._flush()
+            transport = self._transport
+            if transport is not None:
+                asyncio.get_running_loop().call_later(REFUSED_CONNECTION_CLOSE_S, transport.close)
+            return
+        if self._paused or h2.pending(call.sid):
+            self._hold(call)
+            return
+        snapshot = self._server.ads.cache.get(call.node)
+        if snapshot is None:
+            return
+        sid = call.sid
+        for message in call.session.responses(snapshot):
             if not call.started:
                 call.started = True
                 h2.send_headers(sid, GRPC_RESPONSE_HEADERS)
             if not h2.send_message(sid, message):
-                return
-            if h2.pending(sid) or self._paused:
-                self._flush()
-                loop = asyncio.get_running_loop()
-                while not call.done and self._blocked(sid):
-                    call.drained = loop.create_future()
-                    await call.drained
-                    call.drained = None
+                break
+            if h2.pending(sid):
+                self._hold(call)  # the rest stays due in the session
+                break
         self._flush()
 
-    def _blocked(self, sid: int) -> bool:
-        h2 = self._h2
-        return self._paused or (h2 is not None and h2.pending(sid) > 0)
+    def _hold(self, call: _Call) -> None:
+        if self._blocked is None:
+            self._blocked = set()
+        self._blocked.add(call)
