@@ -63,6 +63,7 @@ __all__ = [
     "SQLITE_MIGRATIONS",
     "Batch",
     "CommitBackend",
+    "CountedBackend",
     "GroupCommitStore",
     "Migration",
     "SqliteStore",
@@ -693,7 +694,64 @@ def _same_doc(stored: str | None, want: str | None) -> bool:
     return stored == want or _canonical(stored) == want
 
 
-class SqliteStore:
+class CountedBackend:
+    """What both backends (``SqliteStore``, ``xds.store_pg.PostgresStore``) share: the counters
+    behind ``stats`` (plain attributes, written by the committing thread; ``stats`` snapshots
+    them) and the batch entry points over the backend's ``commit_group``."""
+
+    def __init__(self) -> None:
+        self.commits = 0
+        self.batches = 0
+        self.rows = 0
+        self.failed_commits = 0
+        self.commit_seconds = 0.0
+        self.max_group = 0
+        self.conflicts = 0
+
+    def commit_group(self, group: Sequence[_Rows]) -> list[StoreConflict | None]:
+        raise NotImplementedError
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            self.commits,
+            self.batches,
+            self.rows,
+            self.failed_commits,
+            self.commit_seconds,
+            self.max_group,
+            conflicts=self.conflicts,
+        )
+
+    def _count_commit(
+        self, rows: _Rows, outcomes: Sequence[StoreConflict | None], applied: int, started: float
+    ) -> None:
+        """A transaction committed ``applied`` of ``outcomes``' batches, writing ``rows``;
+        ``started``: its ``time.perf_counter()`` at the start."""
+        self.commits += 1
+        self.batches += applied
+        self.rows += rows.count()
+        self.commit_seconds += time.perf_counter() - started
+        self.max_group = max(self.max_group, applied)
+        self.conflicts += len(outcomes) - applied
+
+    def write(self, batch: Batch) -> None:
+        """Commit ``batch`` in one transaction; durable when this returns (``StoreConflict``:
+        its expectations did not hold, nothing applied)."""
+        if not batch.empty():
+            (conflict,) = self.commit_group([_Rows.encode(batch)])
+            if conflict is not None:
+                raise conflict
+
+    def write_group(self, batches: Sequence[Batch]) -> list[StoreConflict | None]:
+        """Commit several batches, applied in order, in one transaction (one fsync); per batch
+        None (applied) or its conflict."""
+        return self.commit_group([_Rows.encode(b) for b in batches])
+
+    def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
+        self.write(diff(old, new, events))
+
+
+class SqliteStore(CountedBackend):
     """The embedded default store: one connection, synchronous commits.
 
     Serial numbers are stored as text (they exceed 64 bits). Not for concurrent use from several
@@ -713,6 +771,7 @@ class SqliteStore:
     ) -> None:
         if max_events < 1:
             raise ValueError("max_events must be at least 1")
+        super().__init__()
         self.path = path
         self.max_events = max_events
         self.prune_slack = max_events // 100 if prune_slack is None else prune_slack
@@ -726,14 +785,6 @@ class SqliteStore:
             raise
         self._pruned_below = 0  # event ids <= this are known to be gone
         self._outcomes: list[StoreConflict | None] = []  # of the last commit_group
-        self.conflicts = 0
-        # Counters (plain attributes, written by the committing thread; ``stats`` snapshots them)
-        self.commits = 0
-        self.batches = 0
-        self.rows = 0
-        self.failed_commits = 0
-        self.commit_seconds = 0.0
-        self.max_group = 0
 
     @property
     def where(self) -> str:
@@ -746,38 +797,11 @@ class SqliteStore:
         """A read-only second connection (WAL readers never wait for the writer)."""
         return _SqliteReader(self.path)
 
-    def stats(self) -> StoreStats:
-        return StoreStats(
-            self.commits,
-            self.batches,
-            self.rows,
-            self.failed_commits,
-            self.commit_seconds,
-            self.max_group,
-            conflicts=self.conflicts,
-        )
-
     def load(self, trust_domain: str) -> MeshState:
         return _load(self._db, trust_domain)
 
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
         return _events(self._db, workload, limit)
-
-    def write(self, batch: Batch) -> None:
-        """Commit ``batch`` in one transaction; durable when this returns (``StoreConflict``:
-        its expectations did not hold, nothing applied)."""
-        if not batch.empty():
-            (conflict,) = self.commit_group([_Rows.encode(batch)])
-            if conflict is not None:
-                raise conflict
-
-    def write_group(self, batches: Sequence[Batch]) -> list[StoreConflict | None]:
-        """Commit several batches, applied in order, in one transaction (one fsync); per batch
-        None (applied) or its conflict."""
-        return self.commit_group([_Rows.encode(b) for b in batches])
-
-    def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
-        self.write(diff(old, new, events))
 
     def commit_group(self, group: Sequence[_Rows]) -> list[StoreConflict | None]:
         """Commit encoded batches in one transaction, each only if its expectations hold
@@ -815,12 +839,7 @@ class SqliteStore:
                 raise StoreError("store_commit_failed", f"{type(exc).__name__}: {exc}") from exc
             raise
         self._pruned_below = pruned_below
-        self.commits += 1
-        self.batches += applied
-        self.rows += rows.count()
-        self.commit_seconds += time.perf_counter() - started
-        self.max_group = max(self.max_group, applied)
-        self.conflicts += len(outcomes) - applied
+        self._count_commit(rows, outcomes, applied, started)
         self._outcomes = outcomes
 
     def _write_rows(self, cur: sqlite3.Cursor, rows: _Rows) -> int:

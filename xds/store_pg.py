@@ -42,8 +42,8 @@ from xds.store import (
     _KIND,
     _TRIGGER,
     DEFAULT_MAX_EVENTS,
-    Batch,
     CommitBackend,
+    CountedBackend,
     GroupCommitStore,
     Migration,
     SqliteStore,
@@ -51,11 +51,9 @@ from xds.store import (
     StoreConflict,
     StoreError,
     StoreReader,
-    StoreStats,
     _from_iso,
     _Rows,
     decide_group,
-    diff,
     expected_names,
     workload_from_doc,
 )
@@ -374,7 +372,7 @@ class _PgReader:
         self._c.close()
 
 
-class PostgresStore:
+class PostgresStore(CountedBackend):
     """The PostgreSQL backend: one connection, synchronous commits (see the module docstring).
 
     Not for concurrent writes from several threads: wrap it in ``GroupCommitStore`` (which then
@@ -395,6 +393,7 @@ class PostgresStore:
             raise ValueError("max_events and max_changes must be at least 1")
         if not is_postgres_url(url):
             raise ValueError(f"not a postgresql:// URL: {redact_url(url)}")
+        super().__init__()
         self.url = url
         # who wrote a change (its own followers skip it); one per process
         self.origin = origin or secrets.token_hex(8)
@@ -409,13 +408,6 @@ class PostgresStore:
             self._c.close()
             raise
         self._pruned_below = 0
-        self.commits = 0
-        self.batches = 0
-        self.rows = 0
-        self.failed_commits = 0
-        self.commit_seconds = 0.0
-        self.max_group = 0
-        self.conflicts = 0
 
     @property
     def where(self) -> str:
@@ -427,17 +419,6 @@ class PostgresStore:
     def reader(self) -> StoreReader:
         return _PgReader(self.url)
 
-    def stats(self) -> StoreStats:
-        return StoreStats(
-            self.commits,
-            self.batches,
-            self.rows,
-            self.failed_commits,
-            self.commit_seconds,
-            self.max_group,
-            conflicts=self.conflicts,
-        )
-
     def load(self, trust_domain: str) -> MeshState:
         state: MeshState = _read(self._c, "load", _load, trust_domain)
         return state
@@ -445,20 +426,6 @@ class PostgresStore:
     def events(self, workload: str | None = None, limit: int = 100) -> list[Event]:
         events: list[Event] = _read(self._c, "events", _events, workload, limit)
         return events
-
-    def write(self, batch: Batch) -> None:
-        """Commit ``batch`` in one transaction; durable when this returns (``StoreConflict``:
-        its expectations did not hold, nothing applied)."""
-        if not batch.empty():
-            (conflict,) = self.commit_group([_Rows.encode(batch)])
-            if conflict is not None:
-                raise conflict
-
-    def write_group(self, batches: Sequence[Batch]) -> list[StoreConflict | None]:
-        return self.commit_group([_Rows.encode(b) for b in batches])
-
-    def save(self, old: MeshState, new: MeshState, events: Sequence[Event]) -> None:
-        self.write(diff(old, new, events))
 
     def commit_group(self, group: Sequence[_Rows]) -> list[StoreConflict | None]:
         """Commit encoded batches in one transaction, each only if its expectations hold
@@ -482,12 +449,7 @@ class PostgresStore:
                 self.failed_commits += 1
                 raise
         self._pruned_below = pruned_below
-        self.commits += 1
-        self.batches += applied
-        self.rows += rows.count()
-        self.commit_seconds += time.perf_counter() - started
-        self.max_group = max(self.max_group, applied)
-        self.conflicts += len(outcomes) - applied
+        self._count_commit(rows, outcomes, applied, started)
         return outcomes
 
     def _commit(
