@@ -134,21 +134,29 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="throughput: per phase")
     ap.add_argument("--clients", type=int, default=2, help="throughput: client processes")
     ap.add_argument("--agents", type=int, default=8, help="throughput: agents per client")
+    ap.add_argument("--rounds", type=int, default=3, help="throughput: rounds (medians)")
+    ap.add_argument("--profile", type=Path, help="throughput: py-spy raw profiles into DIR")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-fanout", action="store_true")
     args = ap.parse_args()
+    if not args.skip_fanout:
+        main_fanout(args.attestations, args.concurrency)
+    if not args.skip_throughput:
+        main_throughput(args.seconds, args.clients, args.agents, args.rounds, args.profile)
+
+
+def main_fanout(attestations: int, concurrency: int) -> None:
     with pg_cluster() as pg, tempfile.TemporaryDirectory() as tmp:
         url = pg.create_database("bench")
-        r = asyncio.run(run(url, Path(tmp) / "ca", args.attestations, args.concurrency))
+        r = asyncio.run(run(url, Path(tmp) / "ca", attestations, concurrency))
     print(
         f"fan-out A commit -> B publish over {int(r['n'])} attestations "
-        f"({args.concurrency} in flight), {int(r['missing'])} never reached B:\n"
+        f"({concurrency} in flight), {int(r['missing'])} never reached B:\n"
         f"  median {r['median']:.1f} ms   p99 {r['p99']:.1f} ms (target <= {TARGET_P99_MS:.0f} ms: "
         f"{'met' if r['p99'] <= TARGET_P99_MS else 'NOT met'})   max {r['max']:.1f} ms\n"
         f"  lower bound, one database round trip: median {r['rtt']:.2f} ms "
         f"(p99 / round trip = {r['p99'] / r['rtt']:.0f}x)"
     )
-    if not args.skip_throughput:
-        main_throughput(args.seconds, args.clients, args.agents)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,174 +176,218 @@ class Sink:
 async def main():
     cfg = json.loads(sys.argv[1])
     platform = load_pem_private_key(open(cfg["platform"], "rb").read(), None)
-    bundle = open(cfg["bundle"], "rb").read()
+    ssl = client_ssl_context(open(cfg["bundle"], "rb").read())
     ok = failed = 0
+    print("ready", flush=True)  # imported: the parent starts every client at once
+    sys.stdin.readline()
     start = time.monotonic() + cfg["warmup"]
     end = start + cfg["seconds"]
-    async def loop(name, token, url):
+    async def loop(name, token, url, session):
         nonlocal ok, failed
         agent = Agent(url=url, workload=name, source=SimEvidenceSource(platform, GOOD),
-                      sink=Sink(), ssl_context=client_ssl_context(bundle), token=lambda: token)
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < end:
-                try:
-                    await agent.attest_once(session)
-                    if time.monotonic() >= start:
-                        ok += 1
-                except AgentError:
-                    failed += 1
-    await asyncio.gather(*(loop(n, t, u) for n, t, u in cfg["agents"]))
+                      sink=Sink(), ssl_context=ssl, token=lambda: token)
+        while time.monotonic() < end:
+            try:
+                await agent.attest_once(session)
+                if time.monotonic() >= start:
+                    ok += 1
+            except AgentError:
+                failed += 1
+    # one session (keep-alive pool) per client process, shared by its agents
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(loop(n, t, u, session) for n, t, u in cfg["agents"]))
     print(json.dumps({"ok": ok, "failed": failed}))
 
 asyncio.run(main())
 """
 
 
-def throughput(seconds: float, clients: int, per_client: int) -> dict[str, float]:
-    import dataclasses
-    import hashlib
+def _ticks(pid: int) -> int:
+    """CPU time (user + system, clock ticks) of one process so far; 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _postgres_pids(postmaster: int) -> list[int]:
+    """The postmaster and its backends (children)."""
+    pids = [postmaster]
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == postmaster:
+                pids.append(int(d.name))
+    return pids
+
+
+def _sample_waits(url: str, seconds: float, into: dict[str, int]) -> None:
+    """What the database's attestmesh sessions wait on, every 20 ms (``--profile``)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            rows = conn.execute(
+                "SELECT application_name, state, coalesce(wait_event_type, 'CPU'), "
+                "coalesce(wait_event, ''), left(query, 60) FROM pg_stat_activity "
+                "WHERE application_name LIKE 'attestmesh%' AND pid <> pg_backend_pid()"
+            ).fetchall()
+            for app, state, kind, event, query in rows:
+                if state == "active":
+                    key = f"{app.split()[0]} {kind}:{event} {query!r}"
+                    into[key] = into.get(key, 0) + 1
+            time.sleep(0.02)
+
+
+def throughput(
+    seconds: float, clients: int, per_client: int, profile: Path | None = None
+) -> dict[str, float]:
+    """Attestations per second with one replica, then two (fresh databases on one cluster),
+    and the CPU each role used during the measured window (cores: CPU seconds / seconds)."""
     import json
     import subprocess
-    import urllib.request
 
-    import yaml
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    from attestmesh.demo import NAMES, free_port, join_token, write_config
+    from tests.pg.processes import start, stop_all, wait_ready, write_mesh
 
     root = Path(__file__).resolve().parents[1]
+    tick = os.sysconf("SC_CLK_TCK")
+    warmup = 2.0
     results: dict[str, float] = {}
     with pg_cluster() as pg, tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        platform = ec.generate_private_key(ec.SECP256R1())
-        (tmp / "platform.pem").write_bytes(
-            platform.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        pub = tmp / "sim.pub.pem"
-        pub.write_bytes(
-            platform.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
-        ports = {
-            n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES
-        }
-        base = write_config(tmp, ports, pub, {n: join_token(n) for n in NAMES})
         names = [f"w-{i:03d}" for i in range(clients * per_client)]
-        tokens = {n: join_token(n) for n in names}
-        (tmp / "workloads.yaml").write_text(
-            yaml.safe_dump(
-                {
-                    "workloads": [
-                        {
-                            "name": n,
-                            "namespace": "default",
-                            "serviceAccount": "frontend",
-                            "inbound": f"127.0.0.1:{20000 + i}",
-                            "appPort": 21000 + i,
-                            "outbound": {},
-                            "tokenSha256": hashlib.sha256(tokens[n].encode()).hexdigest(),
-                        }
-                        for i, n in enumerate(names)
-                    ]
-                }
-            )
-        )
+        mesh = write_mesh(tmp, names)
         for phase, count in (("1 replica", 1), ("2 replicas", 2)):
             url = pg.create_database(f"tp{count}")
-            replicas = [
-                dataclasses.replace(
-                    base,
-                    state_dir=tmp / f"{count}-state-{k}",
-                    api_port=free_port(),
-                    xds_port=free_port(),
-                    ops_port=free_port(),
-                )
-                for k in range(count)
-            ]
-            procs = []
+            replicas = [mesh.replica(k if count == 1 else k + 1) for k in range(count)]
+            procs: list[subprocess.Popen[bytes]] = []
             try:
-                for s in replicas:
-                    args = [
-                        sys.executable, "-m", "attestmesh.cli", "controlplane",
-                        "--state-dir", str(s.state_dir), "--policy", str(s.policy_file),
-                        "--workloads", str(s.registrations_file),
-                        "--api-port", str(s.api_port), "--xds-port", str(s.xds_port),
-                        "--ops-port", str(s.ops_port),
-                        "--sim-platform-key", str(s.sim_platform_keys[0]),
-                        "--attest-burst", "100000",
-                    ]  # fmt: skip
-                    procs.append(
-                        subprocess.Popen(
-                            args,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL,
-                            env={**os.environ, "ATTESTMESH_STORE": url},
-                        )
-                    )
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline:
-                        try:
-                            with urllib.request.urlopen(
-                                f"http://127.0.0.1:{s.ops_port}/readyz", timeout=1
-                            ) as r:
-                                if r.status == 200:
-                                    break
-                        except OSError:
-                            time.sleep(0.1)
+                for k, s in enumerate(replicas):
+                    log = tmp / f"{count}-{k}.log"
+                    procs.append(start(s, log, url, burst=100_000))
+                    wait_ready(s, procs[-1], log)
                 bundle = replicas[0].state_dir / "ca" / "root.pem"
                 urls = [f"https://localhost:{s.api_port}" for s in replicas]
                 workers = []
                 for c in range(clients):
                     agents = [
-                        (n, tokens[n], urls[(c * per_client + j) % count])
+                        (n, mesh.tokens[n], urls[(c * per_client + j) % count])
                         for j, n in enumerate(names[c * per_client : (c + 1) * per_client])
                     ]
                     cfg = {
-                        "platform": str(tmp / "platform.pem"),
+                        "platform": str(mesh.platform_pem),
                         "bundle": str(bundle),
                         "agents": agents,
-                        "warmup": 2.0,
+                        "warmup": warmup,
                         "seconds": seconds,
                     }
                     workers.append(
                         subprocess.Popen(
                             [sys.executable, "-c", CLIENT, json.dumps(cfg)],
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE,
                             cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)},
                         )
                     )
+                for w in workers:  # every client imported and connected: go, all at once
+                    assert w.stdout is not None and w.stdin is not None
+                    assert w.stdout.readline().strip() == b"ready"
+                for w in workers:
+                    assert w.stdin is not None
+                    w.stdin.write(b"go\n")
+                    w.stdin.flush()
+                time.sleep(warmup)
+                assert pg.process is not None
+                roles = {
+                    "replicas": [p.pid for p in procs],
+                    "clients": [w.pid for w in workers],
+                    "postgres": _postgres_pids(pg.process.pid),
+                }
+                spies = []
+                if profile is not None:
+                    profile.mkdir(parents=True, exist_ok=True)
+                    for role in ("replicas", "clients"):
+                        for k, pid in enumerate(roles[role]):
+                            out = profile / f"{count}-{role}-{k}.txt"
+                            spy = [str(Path(sys.executable).parent / "py-spy"), "record"]
+                            spy += ["--pid", str(pid), "--duration", str(int(seconds) - 1)]
+                            spy += ["--format", "raw", "--rate", "50", "--nonblocking"]
+                            spies.append(
+                                subprocess.Popen(
+                                    [*spy, "-o", str(out)],
+                                    stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL,
+                                )
+                            )
+                waits: dict[str, int] = {}
+                sampler = None
+                if profile is not None:
+                    sampler = threading.Thread(target=_sample_waits, args=(url, seconds, waits))
+                    sampler.start()
+                before = {r: sum(_ticks(p) for p in pids) for r, pids in roles.items()}
+                load_before = os.getloadavg()[0]
+                t0 = time.monotonic()
+                time.sleep(seconds)
+                elapsed = time.monotonic() - t0
+                after = {r: sum(_ticks(p) for p in pids) for r, pids in roles.items()}
+                for r in roles:
+                    results[f"{phase} cpu {r}"] = (after[r] - before[r]) / tick / elapsed
+                results[f"{phase} load"] = (load_before + os.getloadavg()[0]) / 2
                 ok = failed = 0
                 for w in workers:
-                    out, _ = w.communicate(timeout=seconds + 60)
-                    got = json.loads(out)
+                    assert w.stdout is not None
+                    out_b = w.stdout.read()
+                    w.wait(seconds + 60)
+                    got = json.loads(out_b)
                     ok += got["ok"]
                     failed += got["failed"]
+                for spy in spies:
+                    spy.wait(seconds + 30)
+                if sampler is not None and profile is not None:
+                    sampler.join()
+                    top = sorted(waits.items(), key=lambda kv: -kv[1])
+                    (profile / f"{count}-postgres-waits.txt").write_text(
+                        "".join(f"{n} {w}\n" for w, n in top)
+                    )
                 results[phase] = ok / seconds
                 results[f"{phase} failed"] = failed
             finally:
-                for p in procs:
-                    p.kill()
-                    p.wait(10)
+                stop_all(procs)
     return results
 
 
-def main_throughput(seconds: float, clients: int, per_client: int) -> None:
-    r = throughput(seconds, clients, per_client)
-    one, two = r["1 replica"], r["2 replicas"]
+def main_throughput(
+    seconds: float, clients: int, per_client: int, rounds: int, profile: Path | None
+) -> None:
+    runs = [throughput(seconds, clients, per_client, profile) for _ in range(rounds)]
     print(
         f"throughput, real processes, {clients} client processes x {per_client} agents, "
-        f"{seconds:.0f} s each:\n"
-        f"  1 replica  {one:.0f} attestations/s ({int(r['1 replica failed'])} failed)\n"
-        f"  2 replicas {two:.0f} attestations/s ({int(r['2 replicas failed'])} failed)\n"
-        f"  ratio {two / one:.2f}x (target >= 1.6x: {'met' if two / one >= 1.6 else 'NOT met'}; "
-        f"{os.cpu_count()} cores, shared with the clients and PostgreSQL)"
+        f"{seconds:.0f} s per phase, {rounds} round(s) (each: 1 replica, then 2, same "
+        f"cluster); {os.cpu_count()} cores shared by the replicas, the clients, PostgreSQL "
+        "and whatever else runs on the machine"
+    )
+    for k, r in enumerate(runs):
+        line = f"  round {k + 1}: ratio {r['2 replicas'] / r['1 replica']:.2f}x"
+        for phase in ("1 replica", "2 replicas"):
+            cpu = "  ".join(
+                f"{role} {r[f'{phase} cpu {role}']:.2f}"
+                for role in ("replicas", "clients", "postgres")
+            )
+            line += (
+                f"\n    {phase:10} {r[phase]:5.0f}/s ({int(r[f'{phase} failed'])} failed)  "
+                f"cores: {cpu}  load {r[f'{phase} load']:.1f}"
+            )
+        print(line)
+    one = statistics.median(r["1 replica"] for r in runs)
+    two = statistics.median(r["2 replicas"] for r in runs)
+    ratio = statistics.median(r["2 replicas"] / r["1 replica"] for r in runs)
+    print(
+        f"  median: 1 replica {one:.0f}/s, 2 replicas {two:.0f}/s, ratio {ratio:.2f}x "
+        f"(target >= 1.6x: {'met' if ratio >= 1.6 else 'NOT met'})"
     )
 
 
