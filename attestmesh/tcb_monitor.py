@@ -33,7 +33,7 @@ from certs.collateral.intel_pcs import PcsCollateralSource
 from certs.collateral.roots import TrustRoots
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims, Tee
-from certs.evidence.intel_dcap import DcapVerifier
+from certs.evidence.dcap import DcapVerifier
 from certs.evidence.sev_snp import AmdChain, parse_amd_chain
 from certs.policy import AttestationPolicy, OnTcbChange, policies_for
 from certs.tcb_reeval import (

@@ -32,10 +32,13 @@ import tests.unit.evidence.dcap_fixtures as fx
 from attestmesh.controlplane import ControlPlane
 from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import reappraise_all
-from certs.ca import CertificateAuthority, build_leaf, encode_claims_extension, parse_csr
+from certs.ca import CertificateAuthority
+from certs.ca.claims import encode_claims_extension
+from certs.ca.templates import build_leaf
+from certs.csr import parse_csr
 from certs.ear import build_ear_extension
 from certs.evidence.composite import CompositeVerifier, GpuEvidence, gpu_collateral, gpu_nonce
-from certs.evidence.intel_dcap import DcapVerifier
+from certs.evidence.dcap import DcapVerifier
 from certs.evidence.nvidia_gpu import NvidiaGpuVerifier
 from certs.evidence.sev_snp import SevSnpVerifier, parse_amd_chain
 from certs.evidence.tdx import TdxVerifier

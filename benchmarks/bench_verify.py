@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from certs.collateral.roots import TrustRoots, bundled_roots
-from certs.evidence import intel_dcap, nitro, nvidia_gpu, sev_snp
+from certs.evidence import dcap, nitro, nvidia_gpu, sev_snp
 from certs.evidence.claims import Verifier
 from certs.evidence.registry import build_verifiers, detect_tee
 
@@ -170,8 +170,8 @@ def dcap_case(label: str, folder: str, root_der: bytes) -> Case:
     quote_bytes = (VECTORS / folder / "quote.bin").read_bytes()
     collateral_json = (VECTORS / folder / "collateral.json").read_bytes()
     now = _at("2025-06-20T00:00:00Z")
-    quote = intel_dcap.parse_quote(quote_bytes)
-    coll = intel_dcap.parse_collateral({"collateral_json": collateral_json})
+    quote = dcap.parse_quote(quote_bytes)
+    coll = dcap.parse_collateral({"collateral_json": collateral_json})
     root = x509.load_der_x509_certificate(root_der)
     pck_leaf, pck_ca = x509.load_pem_x509_certificates(quote.signature.pck_chain_pem)[:2]
     pck_key = pck_leaf.public_key()

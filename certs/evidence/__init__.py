@@ -13,7 +13,4 @@ re-appraisal and monitoring, the Gramine quote source).
 strict certificate and CRL loaders, the DER helpers, the validity check (``check_window``, time
 as an argument) and the chain verifier (``ChainVerifier`` -> ``VerifiedChain``). Nothing else
 here walks DER, verifies a chain or checks a validity period.
-
-``intel_dcap`` is the old path of ``dcap`` (six names), kept only for importers outside this
-package's owners; new code imports ``certs.evidence.dcap``.
 """

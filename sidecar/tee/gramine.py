@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from certs.errors import AttestmeshError
-from certs.evidence.intel_dcap import MAX_QUOTE_BYTES, TEE_TYPE_SGX, quote_tee_type
+from certs.evidence.dcap import MAX_QUOTE_BYTES, TEE_TYPE_SGX, quote_tee_type
 
 __all__ = ["DEFAULT_ROOT", "GramineCollector", "GramineError"]
 
