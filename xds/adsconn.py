@@ -148,6 +148,7 @@ class LeanAds:
         self.first_message_timeout = first_message_timeout
         self.connections: set[AdsConnection] = set()
         self._servers: list[asyncio.Server] = []
+        self.clock = ads.clock  # monotonic seconds (the HTTP/2 control-frame budget)
 
     def configure(
         self,
@@ -241,7 +242,7 @@ class AdsConnection(asyncio.Protocol):
         if h2 is None:
             return
         try:
-            h2.receive(data)
+            h2.receive(data, self._server.clock())
         except H2Error as exc:
             reason = "flood" if exc.code is ErrorCode.ENHANCE_YOUR_CALM else "protocol_error"
             log.info("xds: closing a connection: %s (%s)", exc, exc.code.name)

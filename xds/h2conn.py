@@ -20,8 +20,9 @@ for each stream event and queues the bytes to send, which the adapter takes with
 A connection error (:class:`H2Error`) queues GOAWAY with its code; the adapter sends it and
 closes the connection. A stream error resets only that stream. Frames that cost the server
 work but carry no application data (PING, SETTINGS, PRIORITY, RST_STREAM, empty DATA, unknown
-types, refused streams) are budgeted: more than ``control_budget`` of them between two gRPC
-messages is a flood (ENHANCE_YOUR_CALM).
+types, refused streams) are budgeted: more than ``control_budget`` of them within
+``budget_seconds`` (by the clock the caller passes to ``receive``) and with no gRPC message
+in between is a flood (ENHANCE_YOUR_CALM); a quiet stream's keepalive PINGs never are.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class H2Limits:
     max_header_list_size: int = 16_384  # SETTINGS_MAX_HEADER_LIST_SIZE, and the header block cap
     window: int = DEFAULT_WINDOW  # our initial stream and connection receive windows
     max_message: int = 4 * 1024 * 1024  # largest gRPC message a client may send
-    control_budget: int = 1_000  # non-data frames allowed between two received gRPC messages
+    control_budget: int = 1_000  # non-data frames allowed per budget_seconds, or between
+    budget_seconds: float = 10.0  # two received gRPC messages
 
     def __post_init__(self) -> None:
         if not (DEFAULT_WINDOW <= self.window <= MAX_WINDOW):
@@ -182,6 +184,7 @@ class H2Server:
 
     __slots__ = (
         "_budget",
+        "_budget_since",
         "_buf",
         "_cont",
         "_decoder",
@@ -217,6 +220,7 @@ class H2Server:
         self._recv_window = limits.window
         self._recv_consumed = 0
         self._budget = limits.control_budget
+        self._budget_since = 0.0
         self._goaway_sent = False
         self.goaway_received = False
         self.streams: dict[int, _Stream] = {}
@@ -392,9 +396,13 @@ class H2Server:
 
     # -- input -------------------------------------------------------------------------------
 
-    def receive(self, data: bytes) -> None:
-        """Process bytes from the peer. Raises :class:`H2Error` on a connection error (GOAWAY
-        is then queued: send it and close)."""
+    def receive(self, data: bytes, now: float = 0.0) -> None:
+        """Process bytes from the peer (``now``: a monotonic clock, for the control-frame
+        budget). Raises :class:`H2Error` on a connection error (GOAWAY is then queued: send
+        it and close)."""
+        if now - self._budget_since >= self._limits.budget_seconds:
+            self._budget_since = now
+            self._budget = self._limits.control_budget
         try:
             self._receive(data)
         except H2Error as exc:

@@ -300,6 +300,16 @@ def test_ping_and_settings_floods_are_refused() -> None:
     assert connection_error(server, frame(4, 0, 0) * 60) is ErrorCode.ENHANCE_YOUR_CALM
 
 
+def test_keepalive_pings_spread_over_time_are_no_flood() -> None:
+    server, _ = fresh(H2Limits(control_budget=50, budget_seconds=10.0))
+    opened(server)
+    for i in range(500):  # 500 pings, one a second: no gRPC message all along
+        server.receive(frame(6, 0, 0, b"p" * 8), now=float(i))
+    assert sum(1 for f in parse_frames(server.take_output()) if f[0] == 6) == 500
+    with pytest.raises(H2Error):  # but 51 within the window are
+        server.receive(frame(6, 0, 0, b"p" * 8) * 51, now=1000.0)
+
+
 def test_rapid_reset_is_refused() -> None:
     server, rec = fresh(H2Limits(control_budget=50))
     enc = hpack.Encoder()
