@@ -1,0 +1,237 @@
+"""Kubernetes mode on PostgreSQL, end to end: two control-plane replicas (what ``attestmesh
+controlplane --kubernetes --store postgresql://...`` runs) against the real kube-apiserver 1.20.2
+and one throwaway PostgreSQL cluster. One holds the Lease and is the only one to write to
+Kubernetes; a pod attested at the other and quarantined there is quarantined on the leader too
+(through the database's change feed), and the leader labels the pod and records the Event once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind, connect
+from attestmesh.metrics import Metrics
+from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
+from sidecar.agent import AgentError
+from sidecar.inject import InjectConfig, SimInjection
+from tests.kube_real.cluster import Cluster, free_port
+from tests.kube_real.install import Installed
+from tests.kube_real.plane import (
+    BAD,
+    GOOD,
+    WEBHOOK,
+    Env,
+    Plane,
+    injected_fixture_pod,
+    make_env,
+    namespace_doc,
+    pod_token,
+    policy,
+    running_pod,
+    service_account_doc,
+)
+from tests.kube_real.rest import Rest, until
+from tests.pg_harness import PgCluster, pg_cluster
+from xds.kube import CONDITION_ATTESTED, LABEL_QUARANTINED
+from xds.state import Status, Trigger
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def env(
+    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+) -> Env:
+    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgCluster]:
+    with pg_cluster() as cluster:
+        yield cluster
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    env: Env, url: str, state_dir: Path, identity: str, webhook_port: int
+) -> AsyncIterator[Plane]:
+    """``controlplane --kubernetes --kubeconfig <the manifests' ServiceAccount> --store url``
+    in this process, until its Kubernetes sources have synced."""
+    settings = ControlPlaneSettings(
+        state_dir=state_dir,
+        sim_platform_keys=(env.sim_key,),
+        api_port=free_port(),
+        xds_port=free_port(),
+        ops_port=free_port(),
+        deadline_check=timedelta(seconds=1),
+        store=url,
+    )
+    metrics = Metrics()
+    mode = KubeMode(
+        connect(env.kubeconfig, 10),
+        KubeSettings(
+            identity=identity,
+            webhook_host="127.0.0.1",
+            webhook_port=webhook_port,
+            webhook_configuration=WEBHOOK,
+            probe_host="127.0.0.1",
+            probe_port=free_port(),
+            retry_period=timedelta(seconds=0.5),
+            watch_timeout=30,
+            inject=InjectConfig(sim=SimInjection(GOOD.hex())),
+        ),
+        metrics,
+        state_dir=state_dir,
+    )
+    stop = asyncio.Event()
+    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        run_control_plane(settings, stop, ready, metrics=metrics, hooks=mode.hooks())
+    )
+    try:
+        running = await asyncio.wait_for(ready, 30)
+        await asyncio.wait_for(mode.synced.wait(), 30)
+        yield Plane(running, mode, settings, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def events(admin: Rest, ns: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in admin.items("v1", "Event", ns) if e["reason"] == reason]
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(env: Env, pg: PgCluster, tmp_path: Path, ns: str) -> AsyncIterator[Pair]:
+    """A (holding the Lease) and B on one database, a pod ``web-0`` in ``ns`` registered on
+    both and attested at B (the follower)."""
+    admin = env.admin
+    await asyncio.to_thread(admin.apply, namespace_doc(ns))
+    await asyncio.to_thread(admin.apply, service_account_doc(ns, "web"))
+    await asyncio.to_thread(admin.apply, policy("web", ns))
+    url = pg.create_database(ns.replace("-", "_"))
+    async with replica(env, url, tmp_path / "a", "cp-a", env.webhook_port) as a:
+        await until(lambda: a.mode.elector.is_leader or None, timeout=40, what="A leads")
+        async with replica(env, url, tmp_path / "b", "cp-b", free_port()) as b:
+            stored = await running_pod(admin, injected_fixture_pod("web-0", ns=ns), "10.2.1.5")
+            workload = f"{ns}/web-0"
+            for plane in (a, b):  # each replica watches the pods
+                await until(
+                    lambda plane=plane: plane.running.cp.state.workloads.get(workload),
+                    what="web-0 registered",
+                )
+            token = await asyncio.to_thread(pod_token, admin, stored)
+            async with aiohttp.ClientSession() as session:  # attested at the follower
+                issued = await b.agent(workload, token, GOOD).attest_once(session)
+            await until(  # the attestation reached the leader through the database
+                lambda: a.running.cp.status_of(workload) is Status.ATTESTED or None,
+                what="attested on A",
+            )
+            yield Pair(a, b, workload, token, issued.serial)
+
+
+@dataclass
+class Pair:
+    a: Plane  # holds the Lease
+    b: Plane
+    workload: str
+    token: str
+    serial: int  # of the certificate B issued
+
+
+def labelled(admin: Rest, ns: str) -> dict[str, Any] | None:
+    pod = admin.get("v1", "Pod", ns, "web-0")
+    return pod if pod["metadata"]["labels"].get(LABEL_QUARANTINED) else None
+
+
+async def test_one_lease_holder_one_trust_and_a_quarantine_on_either_reaches_the_other(
+    env: Env, pg: PgCluster, tmp_path: Path
+) -> None:
+    admin, ns = env.admin, "pg-replicas"
+    async with two_replicas(env, pg, tmp_path, ns) as r:
+        a, b = r.a, r.b
+        assert b.running.cp.ca.bundle_pem == a.running.cp.ca.bundle_pem  # B took A's CA
+        lease = await asyncio.to_thread(
+            admin.get,
+            "coordination.k8s.io/v1",
+            "Lease",
+            "attestmesh-system",
+            "attestmesh-controlplane-leader",
+        )
+        assert lease["spec"]["holderIdentity"] == "cp-a"  # one real Lease: A's
+        assert not b.mode.elector.is_leader
+
+        # the leader quarantines (a failed attestation at A): it labels the pod and records
+        # the Event once; B adopts the quarantine and writes nothing
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(AgentError) as exc:
+                await a.agent(r.workload, r.token, BAD).attest_once(session)
+            assert exc.value.status == 403
+        await until(
+            lambda: b.running.cp.status_of(r.workload) is Status.QUARANTINED or None,
+            what="quarantine reached B",
+        )
+        await a.mode.drained()
+        await b.mode.drained()
+        pod = await until(lambda: labelled(admin, ns), what="pod labelled by the leader")
+        conds = [c for c in pod["status"]["conditions"] if c["type"] == CONDITION_ATTESTED]
+        assert [c["status"] for c in conds] == ["False"], conds
+        (event,) = await until(
+            lambda: events(admin, ns, "Quarantined") or None, what="Quarantined Event"
+        )
+        assert event["involvedObject"]["name"] == "web-0"
+        await asyncio.sleep(1.0)
+        assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
+        # both refuse the workload; the certificate B issued is revoked on both
+        async with aiohttp.ClientSession() as session:
+            for plane in (a, b):
+                with pytest.raises(AgentError) as exc:
+                    await plane.agent(r.workload, r.token, GOOD).attest_once(session)
+                assert exc.value.status == 403
+        for plane in (a, b):
+            await until(
+                lambda plane=plane: r.serial in plane.running.cp.state.revoked_serials() or None,
+                what="B's certificate revoked",
+            )
+
+        # an operator releases it on the follower: the release reaches the leader
+        assert b.running.cp.release(r.workload)
+        await b.running.cp.flushed()
+        await until(
+            lambda: a.running.cp.status_of(r.workload) is Status.PENDING or None,
+            what="release reached A",
+        )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kube mode derives Kubernetes work from the deciding replica's own events: a "
+    "quarantine decided on a follower is adopted by the leader from the change feed with no "
+    "event, so no replica labels the pod (fix in attestmesh/kube_mode.py: act on adopted "
+    "status changes while leading)",
+)
+async def test_a_quarantine_decided_on_the_follower_is_acted_on_once_by_the_leader(
+    env: Env, pg: PgCluster, tmp_path: Path
+) -> None:
+    admin, ns = env.admin, "pg-follower-q"
+    async with two_replicas(env, pg, tmp_path, ns) as r:
+        assert r.b.running.cp.quarantine(r.workload, Trigger.OPERATOR, "compromised (on B)")
+        await r.b.running.cp.flushed()
+        await until(
+            lambda: r.a.running.cp.status_of(r.workload) is Status.QUARANTINED or None,
+            what="quarantine reached A",
+        )
+        await r.b.mode.drained()
+        assert WorkKind.QUARANTINE in [w.kind for w in r.b.mode.completed]  # B's: no writes
+        await r.a.mode.drained()
+        await until(lambda: labelled(admin, ns), timeout=10, what="pod labelled by the leader")
+        assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
