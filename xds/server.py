@@ -442,7 +442,50 @@ class DeltaSession:
             st.sent[nonce] = _DeltaSent(self._clock(), tuple(changes))
             if len(st.sent) > _NONCES_KEPT:
                 del st.sent[next(iter(st.sent))]
-            yield pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
+            yield _delta_response(version, type_url, nonce, changed, removed)
+
+
+_FRAMED_MAX = 512  # distinct pre-framed delta bodies kept (cleared when full)
+_FRAMED_RESOURCES = 16  # responses with more resources are framed per stream (a first answer)
+_framed: dict[tuple[object, ...], bytes] = {}
+
+
+def _text_field(number: int, text: str) -> bytes:
+    """A length-delimited string field (number < 16)."""
+    data = text.encode()
+    n = len(data)
+    size = bytearray()
+    while n >= 0x80:
+        size.append(n & 0x7F | 0x80)
+        n >>= 7
+    size.append(n)
+    return bytes((number << 3 | 2,)) + bytes(size) + data
+
+
+def _delta_response(
+    version: str,
+    type_url: TypeUrl,
+    nonce: str,
+    changed: list[tuple[str, str, bytes]],
+    removed: list[str],
+) -> bytes:
+    """``pb.encode_delta_discovery_response``, its body (resources, type, removals) framed
+    once for every stream that is sent the same change (a push after a change: the same
+    resources, the same versions, the same removals); the per-stream fields
+    (``system_version_info``, ``nonce``) go around it (protobuf fields may come in any
+    order)."""
+    if len(changed) + len(removed) > _FRAMED_RESOURCES:
+        return pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
+    # the packed bytes themselves (shared by the snapshots; bytes cache their hash): correct
+    # whatever ``versions`` says, and a hit compares by identity first
+    key = (type_url, tuple(changed), tuple(removed))
+    body = _framed.get(key)
+    if body is None:
+        if len(_framed) >= _FRAMED_MAX:
+            _framed.clear()
+        body = _framed[key] = pb.encode_delta_discovery_response("", type_url, "", changed, removed)
+    head = _text_field(1, version) if version else b""
+    return head + body + _text_field(5, nonce) if nonce else head + body
 
 
 class AdsServer:

@@ -1,5 +1,5 @@
 """xds.adswire decodes what betterproto2 encodes, field for field, and fails on malformed
-bytes only with WireError."""
+bytes only with WireError; the pre-framed delta responses parse as the plain encoding."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic.warnings import PydanticDeprecatedSince212
 
+from xds import pb, server
 from xds.adswire import WireError, decode_delta, decode_sotw
+from xds.resources import TypeUrl
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
     from envoy_data_plane.envoy.config.core.v3 import Locality, Node
     from envoy_data_plane.envoy.service.discovery.v3 import (
         DeltaDiscoveryRequest,
+        DeltaDiscoveryResponse,
         DiscoveryRequest,
         ResourceLocator,
     )
@@ -141,3 +144,26 @@ def test_arbitrary_bytes_decode_or_raise_wire_error(data: bytes) -> None:
     for decode in (decode_sotw, decode_delta):
         with contextlib.suppress(WireError):  # anything else fails the test
             decode(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text,
+    st.sampled_from(list(TypeUrl)),
+    st.text(alphabet="0123456789", min_size=1, max_size=6),
+    st.lists(st.tuples(text, text, st.binary(max_size=300)), max_size=20),
+    names,
+)
+def test_pre_framed_delta_responses_parse_as_the_plain_encoding(
+    version: str,
+    type_url: TypeUrl,
+    nonce: str,
+    changed: list[tuple[str, str, bytes]],
+    removed: list[str],
+) -> None:
+    changed = [(n, v, pb.pack_bytes(b, type_url)) for n, v, b in changed]
+    framed = server._delta_response(version, type_url, nonce, changed, removed)
+    framed_again = server._delta_response(version, type_url, nonce, changed, removed)  # cached
+    plain = pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
+    assert framed == framed_again
+    assert DeltaDiscoveryResponse.parse(framed) == DeltaDiscoveryResponse.parse(plain)
