@@ -437,3 +437,15 @@ async def test_streams_beyond_the_limit_are_refused(tmp_path: Path) -> None:
         refused = (3, 3, struct.pack(">I", 7))  # RST_STREAM(REFUSED_STREAM) on stream 3
         await c.until(lambda: refused in c.raw_frames())
         assert p.refused == []  # a refused stream is not an attack by itself
+
+
+async def test_a_stalled_tls_handshake_is_closed_and_counted(tmp_path: Path) -> None:
+    async with plane(tmp_path, handshake_timeout=0.5) as p:
+        good, sid = await healthy_stream(p)
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.port)
+        writer.write(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello's start
+        async with asyncio.timeout(3):
+            assert await reader.read() == b""  # closed by the server
+        writer.close()
+        assert p.refused == ["handshake_timeout"]
+        await still_served(good, sid)
