@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from xds.build import (
     BuildSettings,
@@ -50,19 +50,23 @@ CHUNK = 64
 sending per woken stream, about 13 ms before the loop serves other I/O again."""
 
 Soon = Callable[[Callable[[], None]], object]
+_NO_SERVICES: frozenset[ServiceKey] = frozenset()
 
 
-@dataclass(slots=True)
 class _Refresh:
     """What a held snapshot still has to take from the shared resources (read when it is
     patched, so a refresh queued by an older publish brings the newest value)."""
 
-    services: set[ServiceKey] = field(default_factory=set)
-    routes: bool = False
-    secret: bool = False
+    __slots__ = ("routes", "secret", "services")
 
-    def merge(self, services: Iterable[ServiceKey], routes: bool, secret: bool) -> None:
-        self.services.update(services)
+    def __init__(self, services: frozenset[ServiceKey], routes: bool, secret: bool) -> None:
+        self.services = services
+        self.routes = routes
+        self.secret = secret
+
+    def merge(self, services: frozenset[ServiceKey], routes: bool, secret: bool) -> None:
+        if services and not services <= self.services:
+            self.services = self.services | services
         self.routes = self.routes or routes
         self.secret = self.secret or secret
 
@@ -101,6 +105,9 @@ class XdsPublisher:
         # then the rest); dicts keep insertion order and drop a node in O(1)
         self._first: dict[str, _Refresh] = {}
         self._rest: dict[str, _Refresh] = {}
+        # their order (a dict's first key is O(holes) to find after many pops: a deque)
+        self._first_order: deque[str] = deque()
+        self._rest_order: deque[str] = deque()
         self._scheduled: object | None = None  # the token of the next chunk's callback
         self._settings = settings or BuildSettings()
         self._packer = Packer()
@@ -205,11 +212,12 @@ class XdsPublisher:
             rest = index.callers_of(services - urgent_services) | holders
         first -= nodes
         rest -= nodes | first
+        changed_services = frozenset(services)
         for node in first:
-            self._queue(self._first, node, services, policies_changed or node in holders,
+            self._queue(self._first, node, changed_services, policies_changed or node in holders,
                         everyone or (trust_changed and node in holders))  # fmt: skip
         for node in rest:
-            self._queue(self._rest, node, services, node in holders, False)
+            self._queue(self._rest, node, changed_services, node in holders, False)
         if trust_changed and not everyone:
             self._schedule_trust_fanout()
         self._pump()
@@ -218,7 +226,7 @@ class XdsPublisher:
         self,
         queue: dict[str, _Refresh],
         node: str,
-        services: Iterable[ServiceKey],
+        services: frozenset[ServiceKey],
         routes: bool,
         secret: bool,
     ) -> None:
@@ -233,31 +241,35 @@ class XdsPublisher:
             if refresh is not None and queue is self._first:
                 del self._rest[node]
                 self._first[node] = refresh
+                self._first_order.append(node)
         if refresh is None:
-            refresh = queue[node] = _Refresh()
-        refresh.merge(services, routes, secret)
+            queue[node] = _Refresh(services, routes, secret)
+            (self._first_order if queue is self._first else self._rest_order).append(node)
+        else:
+            refresh.merge(services, routes, secret)
 
     def _drop(self, node: str) -> None:
         self._first.pop(node, None)
         self._rest.pop(node, None)
 
-    def _take(self) -> tuple[str, _Refresh] | None:
-        for queue in (self._first, self._rest):
-            if queue:
-                node = next(iter(queue))
-                return node, queue.pop(node)
-        return None
+    def _take(self, limit: int) -> dict[str, _Refresh]:
+        out: dict[str, _Refresh] = {}
+        for queue, order in ((self._first, self._first_order), (self._rest, self._rest_order)):
+            while queue and len(out) < limit:
+                node = order.popleft()  # names dropped or settled since are skipped
+                refresh = queue.pop(node, None)
+                if refresh is not None:
+                    out[node] = refresh
+            if not queue:
+                order.clear()
+        return out
 
     def _pump(self) -> None:
         """Patch the next ``chunk`` queued snapshots (first wave first) and wake their
         streams; the next chunk on the next turn of the loop (no loop: all of them now)."""
         soon = self._soon or _running_loop_soon()
         while True:
-            for _ in range(self._chunk):
-                item = self._take()
-                if item is None:
-                    return
-                self._patch(*item)
+            self._patch(self._take(self._chunk))
             if not (self._first or self._rest):
                 return
             if soon is not None:
@@ -273,45 +285,56 @@ class XdsPublisher:
 
     def _settle(self, node: str) -> None:
         """The cache is about to read ``node``: apply what is queued for it now."""
-        if node in self._first:
-            self._patch(node, self._first.pop(node))
-        elif node in self._rest:
-            self._patch(node, self._rest.pop(node))
+        refresh = self._first.pop(node, None) or self._rest.pop(node, None)
+        if refresh is not None:
+            self._patch({node: refresh})
 
-    def _patch(self, node: str, refresh: _Refresh) -> None:
+    def _patch(self, batch: dict[str, _Refresh]) -> None:
         shared = self._shared
-        if shared is None:
+        if shared is None or not batch:
             return
         index = shared.index
+        secret: dict[TypeUrl, dict[str, bytes]] | None = None
 
         def patch(node: str, snapshot: Snapshot) -> Snapshot:
-            w = index.get(node)
-            if w is None:
-                return snapshot
-            reg = w.registration
-            attested = w.status is Status.ATTESTED
+            nonlocal secret
+            refresh = batch[node]
+            if refresh.secret and secret is None:
+                secret = {TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()}}
+            if secret is not None and refresh.secret and not (refresh.services or refresh.routes):
+                new = snapshot.patched(secret)  # the CRL fan-out: nothing else to look up
+                self.patched_nodes += new is not snapshot
+                self.wake_order.append(node)
+                return new
             changes: dict[TypeUrl, dict[str, bytes]] = {}
-            for spelled in reg.outbound:
-                key = resolve_service(reg.namespace, spelled)
-                if key not in refresh.services:
-                    continue
-                name = outbound_name(spelled)
-                changes.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(
-                    key, spelled
-                )
-                if attested:
-                    eds = shared.endpoints(key, spelled)
-                    changes.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
-            if attested and refresh.routes:
-                changes[TypeUrl.ROUTE] = {INBOUND_ROUTE: shared.inbound_routes(principal_of(reg))}
-            if refresh.secret:
-                changes[TypeUrl.SECRET] = {MESH_TRUST: shared.trust_secret()}
+            if refresh.services or refresh.routes:
+                w = index.get(node)
+                if w is None:
+                    return snapshot
+                reg = w.registration
+                attested = w.status is Status.ATTESTED
+                for spelled in reg.outbound if refresh.services else ():
+                    key = resolve_service(reg.namespace, spelled)
+                    if key not in refresh.services:
+                        continue
+                    name = outbound_name(spelled)
+                    changes.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(
+                        key, spelled
+                    )
+                    if attested:
+                        eds = shared.endpoints(key, spelled)
+                        changes.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
+                if attested and refresh.routes:
+                    routes = shared.inbound_routes(principal_of(reg))
+                    changes[TypeUrl.ROUTE] = {INBOUND_ROUTE: routes}
+            if secret is not None and refresh.secret:
+                changes.update(secret)
             new = snapshot.patched(changes) if changes else snapshot
             self.patched_nodes += new is not snapshot
             self.wake_order.append(node)
             return new
 
-        self._cache.update((node,), patch)
+        self._cache.update(batch, patch)
 
     def _schedule_trust_fanout(self) -> None:
         if self._defer is not None and not self._fanout_pending:
@@ -326,8 +349,14 @@ class XdsPublisher:
         if self._shared is None:
             return
         before = self.patched_nodes
-        for node in list(self._cache.held()):
-            self._queue(self._rest, node, (), False, True)
+        first, rest, order = self._first, self._rest, self._rest_order
+        for node in self._cache.held():  # held nodes only: no check per node
+            refresh = first.get(node) or rest.get(node)
+            if refresh is None:
+                rest[node] = _Refresh(_NO_SERVICES, False, True)
+                order.append(node)
+            else:
+                refresh.secret = True
         self._pump()
         self.fanned_out = self.patched_nodes - before  # patched so far (all of them: no loop)
 
@@ -341,6 +370,8 @@ class XdsPublisher:
         self._state = state
         self._first.clear()
         self._rest.clear()
+        self._first_order.clear()
+        self._rest_order.clear()
         self._scheduled = None
         self.rebuilt_nodes = len(state.workloads)
         for node in self._cache.nodes() - set(state.workloads):
