@@ -15,9 +15,10 @@ Who hears first follows what changed, not the size of the mesh. The nodes whose 
 takes something back (a workload's own configuration; the callers of a service an endpoint or
 identity left; the destinations whose rules admitted an identity that changed, with the new
 CRL; everyone, for a mesh policy change) form the first wave; changes that only grant (a new
-endpoint, a newly admitted caller) and the coalesced CRL fan-out follow. Held snapshots are
-patched and their streams woken ``CHUNK`` nodes at a time, first wave first: the first chunk at
-once, each next one on the next turn of the event loop (``soon``), so between chunks the loop
+endpoint, a newly admitted caller) and the coalesced CRL fan-out follow. The first wave's held
+snapshots are patched and their streams woken at once (interleaving them with the ACKs of the
+earlier ones would about double the time to the last of them); the rest ``CHUNK`` nodes at a
+time, each chunk on the next turn of the event loop (``soon``), so between chunks the loop
 serves ACKs, /healthz and the API. A node asked for before its turn is brought up to date
 first (the cache's ``settle``): nobody reads a snapshot older than the state last published.
 """
@@ -265,9 +266,11 @@ class XdsPublisher:
         return out
 
     def _pump(self) -> None:
-        """Patch the next ``chunk`` queued snapshots (first wave first) and wake their
+        """Patch the whole first wave and the next ``chunk`` of the rest, and wake their
         streams; the next chunk on the next turn of the loop (no loop: all of them now)."""
         soon = self._soon or _running_loop_soon()
+        if self._first:  # what takes something back: all of it at once
+            self._patch(self._take(len(self._first)))
         while True:
             self._patch(self._take(self._chunk))
             if not (self._first or self._rest):
