@@ -10,9 +10,12 @@ One frozen ``ListenLimits`` configures every listener (attestation API, xDS, ops
 - HTTP/1.1 (aiohttp): idle timeout (no request in flight: keep-alive, or a TLS connection that
   never sends), header timeout (first byte of a request to its complete header) and body timeout
   (complete header to complete body: a dripped body);
-- HTTP/2 (grpclib, xDS): SETTINGS_MAX_CONCURRENT_STREAMS, a bounded header list and small flow
-  control windows advertised in the first SETTINGS frame, and an idle timeout for a connection
-  that has no open stream.
+- HTTP/2 (xDS: our own ``xds.adsconn`` via ``start_h2``, or grpclib via ``start_grpc``):
+  SETTINGS_MAX_CONCURRENT_STREAMS, a bounded header list and small flow control windows
+  advertised in the first SETTINGS frame, and an idle timeout for a connection that has no
+  open stream. ``start_h2`` also does TLS itself over memory BIOs (``_MemoryTLS``: no read
+  buffer or write backlog per connection) and counts what the HTTP/2 layer refuses
+  (``protocol_error``, ``flood``, ``invalid_request``, ``header_timeout``).
 
 Connections closed by a timeout are reported to ``on_refused`` too, with the timeout as the
 reason. This module imports no metrics library: the caller maps reasons to counters.
