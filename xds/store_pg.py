@@ -587,7 +587,8 @@ class Changes:
 class ChangeFeed:
     """A thread that follows the change log of one PostgreSQL database for one replica.
 
-    It LISTENs on ``attestmesh_changes`` and, on every notification (and every
+    It LISTENs on ``attestmesh_changes`` and, on every notification (after
+    ``settle_seconds``, so the commits of a burst cost one read and one delivery; and every
     ``poll_seconds`` as a backstop), reads the changes numbered after the last it delivered,
     skipping its own replica's (``origin``), with the rows they name as stored now, in one
     snapshot; ``deliver`` is called on this thread (the control plane hands it to its loop).
@@ -606,6 +607,7 @@ class ChangeFeed:
         poll_seconds: float = 0.5,
         retry_seconds: float = 0.5,
         batch: int = 5000,
+        settle_seconds: float = 0.005,
     ) -> None:
         self.url = url
         self.origin = origin
@@ -615,6 +617,7 @@ class ChangeFeed:
         self._poll = poll_seconds
         self._retry = retry_seconds
         self._batch = batch
+        self._settle = settle_seconds
         self._closed = threading.Event()
         self.connected = False
         self.last_contact = time.monotonic()
@@ -644,8 +647,13 @@ class ChangeFeed:
                     self.connected = True
                     self._catch_up(conn)
                     while not self._closed.is_set():
+                        woke = False
                         for _ in conn.notifies(timeout=self._poll, stop_after=1):
-                            pass
+                            woke = True
+                        if woke and self._settle > 0:  # the burst's commits: one read
+                            self._closed.wait(self._settle)
+                            for _ in conn.notifies(timeout=0):
+                                pass
                         self._catch_up(conn)
             except psycopg.Error as exc:
                 if self.connected:
