@@ -3,7 +3,8 @@ registry (``attestmesh.metrics``), the control-plane service (``attestmesh.contr
 the wiring of each mode (``serve``, ``kube_mode``, ``demo``, the ``*_cmd`` commands).
 
 Public face: the ``attestmesh`` command. Nothing below imports this package (certs, xds and
-sidecar are checked by ``lint-imports``, the ``root`` contract in pyproject.toml); lower layers
-take narrow protocols (``certs.api.ApiMetrics``, ``xds.server.XdsMetrics``) that
-``attestmesh.metrics.Metrics`` implements, and callbacks the root passes in.
+sidecar are checked by ``lint-imports``, the ``root`` contract in pyproject.toml); adapters
+count through narrow protocols (``attestmesh.controlplane.http.ApiMetrics``,
+``xds.server.XdsMetrics``) that ``attestmesh.metrics.Metrics`` implements, and lower layers
+take callbacks the root passes in.
 """

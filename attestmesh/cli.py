@@ -162,8 +162,8 @@ def _controlplane(args: argparse.Namespace) -> int:
         metrics = Metrics()
         hooks: Hooks | None = None
         if kube_settings is not None:
+            from attestmesh.controlplane.secrets import SecretPolicies
             from attestmesh.kube_mode import KubeMode, connect
-            from certs.secrets_api import SecretPolicies
 
             kube = connect(args.kubeconfig, kube_settings.request_timeout)
             hooks = KubeMode(

@@ -108,7 +108,7 @@ class Metrics:
             registry=r,
         )
 
-    # The narrow protocols lower layers count through (certs.api.ApiMetrics,
+    # The narrow protocols the adapters count through (attestmesh.controlplane.http.ApiMetrics,
     # xds.server.XdsMetrics): they name an event, not the metrics class.
 
     def api_rejected(self, endpoint: str, reason: str) -> None:

@@ -1,7 +1,7 @@
 """Attested issuance: who may hold a mesh certificate, and the CA that signs it.
 
-The lowest layer: it imports neither ``xds`` nor ``sidecar`` (the ``certs`` contract in
-pyproject.toml; the secret-release adapters are its listed exceptions). What others may import:
+The lowest layer: it imports neither ``xds``, ``sidecar`` nor the composition root (the
+``certs`` and ``root`` contracts in pyproject.toml, no exceptions). What others may import:
 
 - ``certs.errors`` (the error hierarchy, bounded ``reason`` vocabulary) and ``certs.standing``
   (a workload's ``Status`` and the refusals that follow from it);
@@ -10,7 +10,9 @@ pyproject.toml; the secret-release adapters are its listed exceptions). What oth
   templates and the CA);
 - the issuance decision and its parts: ``certs.issuance`` (``AttestRequest``), ``certs.ear``,
   ``certs.nonces``, ``certs.tcb_reeval``, ``certs.sealing``;
-- adapters: ``certs.api`` (the attestation API over HTTP; ``build_app``), ``certs.collateral``
-  (vendor collateral fetchers), ``certs.keystore`` / ``certs.openbao`` (CA key storage),
-  ``certs.secrets_api`` / ``certs.kbs_api`` / ``certs.kbs`` (secret release).
+- adapters: ``certs.collateral`` (vendor collateral fetchers), ``certs.keystore`` /
+  ``certs.openbao`` (CA key storage), ``certs.kbs`` (the key broker's protocol). The
+  attestation API over HTTP and the secret-release adapters read the mesh state, so they live
+  above it, beside the service they serve: ``attestmesh.controlplane`` (``http``, ``secrets``,
+  ``kbs``).
 """
