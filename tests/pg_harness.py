@@ -90,7 +90,8 @@ class PgCluster:
             **self._as_owner(),  # type: ignore[arg-type]
         )
         log.close()
-        deadline = time.monotonic() + 30
+        # crash recovery on a machine whose disk other work saturates can take long
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"postgres exited: {self.log_tail()}")

@@ -217,8 +217,10 @@ async def test_a_change_arriving_while_a_write_is_in_flight_is_read_again(
     try:
         await a.register([registration("web-1")])
         await a.attest("web-1")
-        async with asyncio.timeout(10):
-            while b.cp.status_of("web-1") is not Status.ATTESTED:
+        async with asyncio.timeout(10):  # B may not know web-1 at all yet
+            while (
+                w := b.cp.state.workloads.get("web-1")
+            ) is None or w.status is not Status.ATTESTED:
                 await asyncio.sleep(0.01)
         resolve = a.store._resolve
 
