@@ -101,6 +101,23 @@ class Metrics:
             ["operation", "result", "reason"],
             registry=r,
         )
+        self.crl_signed = Counter(
+            "attestmesh_crl_signed_total",
+            "CRL sets this replica signed, by who: local (the control plane's own: one replica, "
+            "or no shared set yet) or leader (the one set of several replicas, stored for all)",
+            ["by"],
+            registry=r,
+        )
+        self.crl_followed = Counter(
+            "attestmesh_crl_followed_total",
+            "CRL sets another replica (the leader) signed and stored, read and served by this one",
+            registry=r,
+        )
+        self.crl_refused = Counter(
+            "attestmesh_crl_refused_total",
+            "CRL sets this replica signed that the database refused (it no longer led)",
+            registry=r,
+        )
         self.serving_cert_renewals = Counter(
             "attestmesh_serving_cert_renewals_total",
             "Re-issues of a listener's serving certificate from the mesh CA by result (ok, failed)",

@@ -37,11 +37,12 @@ from attestmesh.controlplane import (
 )
 from attestmesh.controlplane import http as api
 from attestmesh.controlplane.secrets import SecretPolicies
+from attestmesh.controlplane.service import CRL_VALIDITY
 from attestmesh.cp_attest import SelfAttestation
 from attestmesh.gcpolicy import GcPolicy
 from attestmesh.listen import ListenLimits, start_aiohttp, start_h2
 from attestmesh.metrics import Metrics
-from attestmesh.replication import PgReplication
+from attestmesh.replication import CrlSigner, PgReplication
 from attestmesh.secret_release import SecretReleaseSettings
 from attestmesh.tcb_monitor import build_tcb_monitor
 from certs.ca import CertificateAuthority, issue_serving_credentials
@@ -74,6 +75,33 @@ from xds.store import GroupCommitStore
 from xds.store_pg import Changes, follow, is_postgres_url, open_store, share_ca
 
 log = logging.getLogger(__name__)
+
+# A replica on PostgreSQL waits this long at start for the one CRL set (a leader's, stored, or
+# its own if it leads) before it serves one it signs itself (a database no leader signed in yet)
+CRL_FIRST_WAIT_SECONDS = 5.0
+
+
+class CountedCrlSigner(CrlSigner):
+    """``CrlSigner`` whose counts (signed, followed, refused) are on /metrics."""
+
+    def __init__(self, url: str, *, metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._metrics = metrics
+        self._counted = (0, 0, 0)
+
+    def step(self, conn: Any) -> None:
+        try:
+            super().step(conn)
+        finally:
+            signed, followed, refused = self.signed, self.followed, self.refused
+            was = self._counted
+            self._counted = (signed, followed, refused)
+            if signed > was[0]:
+                self._metrics.crl_signed.labels("leader").inc(signed - was[0])
+            if followed > was[1]:
+                self._metrics.crl_followed.inc(followed - was[1])
+            if refused > was[2]:
+                self._metrics.crl_refused.inc(refused - was[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,8 +353,36 @@ def build_control_plane(
         store, settings.trust_domain, lambda ch: loop.call_soon_threadsafe(adopt[0], ch)
     )
     replication = None
+    crl: CrlSigner | None = None
+    made: list[ControlPlane] = []
     if feed is not None and settings.store is not None:  # one leader (CA rotation), one CA
         replication = PgReplication(settings.store, settings.state_dir / "ca", feed, load_ca)
+        replication.start()  # the election first: the CRL signer signs only while leading
+
+        def deliver_crl(pem: bytes) -> None:  # on the loop, once the control plane exists
+            if made:
+                made[0].crl_delivered(pem)
+
+        # one CRL set for every replica, signed by the leader (issue 9: CRL refresh done once)
+        crl = CountedCrlSigner(
+            settings.store,
+            metrics=metrics,
+            origin=replication.origin,
+            leadership=replication.leadership,
+            ca=lambda: made[0].ca if made else ca,
+            deliver=lambda pem: loop.call_soon_threadsafe(deliver_crl, pem),
+            clock=lambda: datetime.now(UTC),
+            validity=CRL_VALIDITY,
+        ).start()
+        # Blocks the start (nothing is served yet): a replica joining a running mesh serves
+        # the stored set at once and never signs; on a database no leader signed in yet it
+        # signs its own until the first set is stored (then it serves that one).
+        if not crl.wait_first(CRL_FIRST_WAIT_SECONDS):
+            log.warning(
+                "no shared CRL set within %.0f s: serving this replica's own until the leader "
+                "stores one",
+                CRL_FIRST_WAIT_SECONDS,
+            )
     publisher = XdsPublisher(
         cache, defer=lambda fanout: loop.call_later(TRUST_FANOUT_DELAY.total_seconds(), fanout)
     )
@@ -347,13 +403,16 @@ def build_control_plane(
         collateral_sources=collateral_sources,
         limiter=AttestationLimiter(settings.attest_burst, settings.attest_refill),
         replication=replication,
+        crl_source=crl,
     )
     adopt.append(cp.adopt_changes)
+    made.append(cp)
     if feed is not None and replication is not None:
-        store.attach(feed)  # closed with the store
+        store.attach(feed)  # closed with the store (in this order)
+        if crl is not None:
+            store.attach(crl)
         store.attach(replication)
         feed.start()
-        replication.start()
     cp.register(registrations)  # persists what changed (awaited before serving: cp.flushed)
     return cp, publisher, store
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from attestmesh.controlplane.identity import RegistrationTokenCheck
 from attestmesh.controlplane.issued import Issued
@@ -123,6 +123,16 @@ class _Announcement:
     retry: Callable[[], object] | None = None
 
 
+class CrlSource(Protocol):
+    """The one CRL set of several replicas on one database (``attestmesh.replication``'s
+    ``CrlSource``, implemented by its ``CrlSigner``: the leader signs it, every replica serves
+    it). With one, the control plane serves ``current()`` and signs no CRL itself, except
+    while it is None (a database no leader has stored a CRL set in yet); it learns of a new
+    one through ``ControlPlane.crl_delivered``."""
+
+    def current(self) -> bytes | None: ...
+
+
 class StoreUnavailableError(AttestmeshError):
     """A write to the state store failed: the control plane stops deciding until restarted."""
 
@@ -146,10 +156,12 @@ class ControlPlane:
         collateral_sources: Mapping[Tee, CollateralSource] | None = None,
         limiter: AttestationLimiter | None = None,
         replication: Replication | None = None,
+        crl_source: CrlSource | None = None,
     ) -> None:
         self._state = state
         self._store = store
         self._replication = replication
+        self._crl_source = crl_source
         self._ca = ca
         self._verifiers = dict(verifiers)
         self._policies = tuple(policies)
@@ -513,12 +525,33 @@ class ControlPlane:
         nothing to persist (both are rebuilt from durable inputs on start)."""
         self._publisher.publish(self._announced, self._mesh_policies, self._trust, ())
 
+    def _shared_crl(self) -> bytes | None:
+        """The replicas' one CRL set, if there is a source and it has one yet."""
+        return None if self._crl_source is None else self._crl_source.current()
+
     def _build_trust(self, now: datetime) -> TrustMaterial:
-        """A new CRL set, now, on the loop (a quarantine's revocations go out with it)."""
+        """A new CRL set, now, on the loop (a quarantine's revocations go out with it). With
+        a CRL source that has one, the shared set instead: this replica signs nothing (the
+        leader's signer covers this replica's revocations once they are committed, within
+        its settle time and one step, and delivers the set through ``crl_delivered``)."""
+        shared = self._shared_crl()
+        if shared is not None:
+            return TrustMaterial(self._ca.bundle_pem, shared)
         revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
         self._crl_at = now
         self._crl_builds += 1
+        self._metrics.crl_signed.labels("local").inc()
         return TrustMaterial(self._ca.bundle_pem, self._ca.crl_pem(revoked, now, CRL_VALIDITY))
+
+    def crl_delivered(self, pem: bytes) -> None:
+        """The CRL source has a new CRL set (on the loop: the wiring hands it over from the
+        signer's thread): serve it from now on and announce it (the trust fan-out)."""
+        if pem == self._trust.crl_pem:
+            return
+        self._crl_builds += 1  # a local set still being signed off the loop is dropped
+        self._crl_at = self._clock()
+        self._trust = TrustMaterial(self._ca.bundle_pem, pem)
+        self._republish()
 
     def _crl_due(self) -> None:
         """Revocations that need not go out with their transition (a renewal superseded the
@@ -526,6 +559,8 @@ class ControlPlane:
         ``CRL_COALESCE`` for every revocation made meanwhile (renewals at any rate cost one
         signature per CRL and one mesh-wide push per interval, not one per renewal), then
         announced. Without a running loop (synchronous use) it is built at once."""
+        if self._shared_crl() is not None:
+            return  # the leader's signer covers superseded certificates too
         self._crl_dirty = True
         if self._crl_task is not None:
             return
@@ -546,9 +581,11 @@ class ControlPlane:
                 revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
                 crl = await self._off_loop(ca.crl_pem, revoked, now, CRL_VALIDITY)
                 if self._ca is not ca or self._crl_builds != builds:
-                    # rotated, or a newer set was built on the loop meanwhile: that one (or
-                    # the next round, if revocations followed it) stands
+                    # rotated, or a newer set was built on the loop (or delivered by the CRL
+                    # source) meanwhile: that one (or the next round, if revocations followed
+                    # it) stands
                     continue
+                self._metrics.crl_signed.labels("local").inc()
                 self._crl_at = now
                 self._trust = TrustMaterial(ca.bundle_pem, crl)
                 self._republish()
@@ -873,7 +910,8 @@ class ControlPlane:
         leader = self._replication is None or self._replication.is_leader()
         stale = leader and self._rotate_ca(now)  # once, by the leader
         stale |= leader and self._prune_revocations(now)
-        stale |= self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2
+        if self._shared_crl() is None:  # else the leader's signer refreshes the one set
+            stale |= self._crl_at is not None and now - self._crl_at > CRL_VALIDITY / 2
         if stale:  # one new CRL set, announced once
             self._trust = self._build_trust(now)
             self._update_gauges()
