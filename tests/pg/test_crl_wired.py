@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import statistics
 import subprocess
 import time
@@ -17,11 +18,37 @@ import aiohttp
 import pytest
 from cryptography import x509
 
+from attestmesh.controlplane import AttestationLimiter, ControlPlane
+from attestmesh.controlplane.service import CRL_VALIDITY
 from attestmesh.demo import GOOD
+from attestmesh.metrics import Metrics
+from attestmesh.replication import CrlSigner
 from attestmesh.serve import ControlPlaneSettings, ops_token_path
+from certs.binding import expected_report_data
+from certs.ca import CertificateAuthority
+from certs.evidence import sim
+from certs.evidence.claims import Tee
+from certs.evidence.sim import SimVerifier
+from certs.issuance import AttestRequest
+from certs.policy import parse_policies
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from tests.component.test_agent import RecordingSink
 from tests.pg.processes import Mesh, healthy, start, stop_all, write_mesh
+from tests.pg.replicas import PLATFORM
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    NOW,
+    TRUST_DOMAIN,
+    Clock,
+    RecordingPublisher,
+    csr_pem,
+    new_key,
+    policy_doc,
+    registration,
+    spki,
+)
+from xds.state import Trigger
+from xds.store_pg import Leadership, follow, open_store
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +197,78 @@ async def test_the_leader_signs_the_one_crl_set_both_replicas_serve(
             print(f"reach median {statistics.median(reach):.3f} s, max {max(reach):.3f} s")
     finally:
         stop_all(procs)
+
+
+async def test_a_control_plane_signs_its_own_only_until_the_shared_set_arrives(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """In one process: a control plane whose CRL source has no set yet (a database no leader
+    signed in) signs its own; once the leader's signer delivers (handed to the loop, as
+    serve.py does) it serves and announces that one, and a quarantine it commits is signed by
+    the signer only, not by the control plane."""
+    clock = Clock(NOW)
+    loop = asyncio.get_running_loop()
+    store = open_store(pg_url)
+    state, _ = follow(store, TRUST_DOMAIN, lambda ch: None)
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca", TRUST_DOMAIN, NOW)
+    leadership = Leadership(pg_url, interval_seconds=0.2).start()
+    publisher = RecordingPublisher()
+    metrics = Metrics()
+    cps: list[ControlPlane] = []
+    signer = CrlSigner(
+        pg_url,
+        origin="test",
+        leadership=leadership,
+        ca=lambda: ca,
+        deliver=lambda pem: loop.call_soon_threadsafe(cps[0].crl_delivered, pem),
+        clock=clock,
+        validity=CRL_VALIDITY,
+    )
+    try:
+        cp = ControlPlane(
+            state=state,
+            store=store,
+            ca=ca,
+            verifiers={Tee.SIM: SimVerifier([PLATFORM.public_key()])},
+            policies=parse_policies([policy_doc()]),
+            mesh_policies=(),
+            metrics=metrics,
+            publisher=publisher,
+            clock=clock,
+            serials=x509.random_serial_number,
+            random_bytes=secrets.token_bytes,
+            limiter=AttestationLimiter(burst=1000),
+            crl_source=signer,
+        )
+        cps.append(cp)
+
+        def local() -> float | None:
+            return metrics.registry.get_sample_value("attestmesh_crl_signed_total", {"by": "local"})
+
+        assert local() == 1  # none shared yet: its own
+        cp.register([registration("web-1")])
+        await cp.flushed()
+        signer.start()
+        async with asyncio.timeout(10):
+            while cp.trust.crl_pem != signer.current():
+                await asyncio.sleep(0.02)
+        assert publisher.last_trust.crl_pem == signer.current()  # announced
+        key = new_key()
+        nonce, _ = cp.challenge()
+        evidence = sim.build_report(
+            PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=MEASUREMENT
+        )
+        issued = await cp.attest(AttestRequest("web-1", "sim", evidence, csr_pem(key), nonce), None)
+        assert cp.quarantine("web-1", Trigger.OPERATOR, "test")
+        await cp.flushed()
+        async with asyncio.timeout(10):
+            while issued.serial not in revoked_serials(cp.trust_json()["crl"]):
+                await asyncio.sleep(0.02)
+        assert issued.serial in revoked_serials(publisher.last_trust.crl_pem.decode())
+        assert cp.trust.crl_pem == signer.current()
+        assert local() == 1  # the quarantine was signed by the signer only
+        assert signer.signed >= 2
+    finally:
+        signer.close()
+        leadership.close()
+        store.close()
