@@ -191,8 +191,8 @@ async def test_the_leader_signs_the_one_crl_set_both_replicas_serve(
             procs[0].wait(10)
             last = names[-1]
             await follower.quarantine(last)
-            (took,) = await until_listed([follower], {serials[last]}, 20)
-            print(f"after the leader's death: {last} in the survivor's CRL after {took:.2f} s")
+            (moved,) = await until_listed([follower], {serials[last]}, 20)
+            print(f"after the leader's death: {last} in the survivor's CRL after {moved:.2f} s")
             assert await follower.signed() >= 1
             print(f"reach median {statistics.median(reach):.3f} s, max {max(reach):.3f} s")
     finally:
