@@ -83,7 +83,15 @@ def secret_crd(env: Env, secrets_rbac: None) -> Iterator[None]:
         return conds.get("Established") == "True"
 
     wait_for(established, 30, "SecretPolicy CRD established")
-    admin.forget_discovery()
+
+    def served() -> bool:
+        # Established is not yet served everywhere: discovery and the resource's handler
+        # follow a moment later
+        admin.forget_discovery()
+        admin.items(GROUP_VERSION, "SecretPolicy")
+        return True
+
+    wait_for(served, 30, "SecretPolicies served")
     try:
         yield
     finally:
