@@ -138,6 +138,7 @@ from xds.kube.names import (
     NITRO_DP_LABEL,
     NITRO_ENCLAVE_CPUS,
     NITRO_ENCLAVES,
+    SYSTEM_NAMESPACES,
     TOKEN_AUDIENCE,
     TRUST_CONFIGMAP,
     TRUST_KEY,
@@ -313,6 +314,7 @@ class Decision(enum.StrEnum):
     OPTED_OUT = "opted_out"
     ALREADY_INJECTED = "already_injected"
     CONTROL_PLANE = "control_plane"
+    SYSTEM_NAMESPACE = "system_namespace"
     HOST_NETWORK = "host_network"
     NAME_CONFLICT = "name_conflict"
     NO_TEE = "no_tee"
@@ -945,6 +947,8 @@ def mutate(
     namespace = meta.get("namespace", "")
     if namespace == config.control_plane_namespace:
         return MutationResult(Decision.CONTROL_PLANE, message="control-plane namespace")
+    if namespace in SYSTEM_NAMESPACES:
+        return MutationResult(Decision.SYSTEM_NAMESPACE, message=f"{namespace} is never injected")
     labels_raw = meta.get("labels")
     pod_labels: Mapping[str, Any] = labels_raw if isinstance(labels_raw, Mapping) else {}
     opt = str(annotations.get(ANNOTATION_INJECT, "")).lower()

@@ -44,6 +44,11 @@ TOKEN_AUDIENCE = "attestmesh"  # noqa: S105 (an audience, not a secret)
 EXTRA_POD_NAME = "authentication.kubernetes.io/pod-name"
 EXTRA_POD_UID = "authentication.kubernetes.io/pod-uid"
 
+# Kubernetes' own namespaces: never injected, whatever their labels say (the webhook's
+# namespaceSelector excludes them by ``kubernetes.io/metadata.name`` from 1.21; the injector
+# answers "allowed, no patch" for them itself, for servers that do not set that label).
+SYSTEM_NAMESPACES = frozenset({"kube-system", "kube-public", "kube-node-lease"})
+
 # The mesh root bundle: the control plane keeps this ConfigMap (key ``root.pem``) in every
 # namespace with injected pods; injected agents and Envoys mount it.
 TRUST_CONFIGMAP = "attestmesh-trust-bundle"

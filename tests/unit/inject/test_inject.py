@@ -340,6 +340,18 @@ def test_control_plane_namespace_is_never_injected() -> None:
     assert mutate(pod(ns="mesh"), ENABLED, other).decision is Decision.CONTROL_PLANE
 
 
+@pytest.mark.parametrize("ns", ["kube-system", "kube-public", "kube-node-lease"])
+def test_kubernetes_system_namespaces_are_never_injected(ns: str) -> None:
+    # whatever the pod's and the namespace's labels say: 1.20 servers do not set the
+    # kubernetes.io/metadata.name label the webhook's namespaceSelector excludes them by
+    p = pod(ns=ns)
+    p["metadata"]["labels"][LABEL_INJECT] = "enabled"
+    result = mutate(p, ENABLED, CFG)
+    assert result.decision is Decision.SYSTEM_NAMESPACE
+    assert result.allowed and result.patch == ()
+    assert mutate(pod(ns="kube-systems"), ENABLED, CFG).decision is Decision.INJECTED
+
+
 def test_existing_init_containers_and_volumes_are_kept_after_ours() -> None:
     p = pod(
         initContainers=[{"name": "migrate", "image": "registry.example/migrate:1"}],
