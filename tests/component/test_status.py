@@ -12,7 +12,6 @@ import json
 import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -26,14 +25,6 @@ from certs.errors import AttestmeshError
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from tests.component.test_ads import envoy, snap
 from tests.component.test_agent import RecordingSink
-from tests.component.test_kube_mode import WORKLOAD as KUBE_WORKLOAD
-from tests.component.test_kube_mode import (  # noqa: F401 (fixtures)
-    control_plane,
-    kube,
-    policy_cr,
-    seed,
-    sim_key,
-)
 from tests.unit.fixtures_core import MEASUREMENT, policy_doc
 from tests.unit.xds.meshfixture import NOW, two_workloads
 from xds import sync_status
@@ -199,29 +190,3 @@ async def test_status_of_a_running_control_plane(tmp_path: Path) -> None:
         stop.set()
         await asyncio.wait_for(task, 20)
     assert datetime.now(UTC) < cert.not_after
-
-
-async def test_status_in_kubernetes_mode(
-    tmp_path: Path,
-    kube: Any,  # noqa: F811 (the fixture imported above)
-    sim_key: Path,  # noqa: F811
-) -> None:
-    """The same view in Kubernetes mode: workloads come from pods (fake API server)."""
-    await seed(kube, policy_cr("web"))
-    async with control_plane(kube, tmp_path / "state", sim_key) as plane:
-        async with aiohttp.ClientSession() as session:
-            await plane.agent().attest_once(session)
-
-        def cli() -> list[dict[str, Any]]:
-            parser = argparse.ArgumentParser()
-            status_cmd.add_parser(parser.add_subparsers())
-            args = parser.parse_args(["status", "--ops-port", str(plane.settings.ops_port),
-                                      "--state-dir", str(tmp_path / "state"), "--json"])  # fmt: skip
-            out = io.StringIO()
-            assert status_cmd.run(args, out) == 0
-            return list(json.loads(out.getvalue()))
-
-        (row,) = [r for r in await asyncio.to_thread(cli) if r["name"] == KUBE_WORKLOAD]
-        assert row["namespace"] == "shop" and row["status"] == "attested"
-        assert row["spiffe_id"] == "spiffe://attestmesh.local/ns/shop/sa/web"
-        assert row["tee"] == "sim" and row["certificate_expires_in_s"] > 0
