@@ -20,9 +20,13 @@ control plane. What it wires:
 - Lease leader election: only the leader writes to Kubernetes; every replica serves attestation.
 - ``KubePublisher`` wraps the xDS publisher: quarantine, release and audit events become pod
   labels, conditions, Events, evictions and node taints (``xds.kube.actions``), performed in
-  order by one worker (``xds.kube.work``). On winning the election, and every ``resync``, the
-  quarantines in the persisted state are re-applied (idempotent), so actions survive a restart
-  or a failed call.
+  order by one worker (``xds.kube.work``). Those events are the deciding replica's; on
+  PostgreSQL a follower's decisions reach the leader as adopted rows, and the leader queues
+  the same work for a workload whose row became, or stopped being, quarantined
+  (``adopted_work``), so what any replica decides is written once, by the leader. On winning
+  the election, and every ``resync``, the quarantines in the persisted state are re-applied
+  (idempotent), so actions survive a restart, a failed call or a quarantine decided while no
+  replica led.
 - The sidecar-injection webhook is served in the same process, its serving certificate issued
   from the mesh CA (or given), and its CA bundle written into the MutatingWebhookConfiguration
   (``xds.kube.webhook``); an issued certificate is re-issued at half its lifetime, a failure
@@ -43,7 +47,7 @@ import asyncio
 import dataclasses
 import logging
 import ssl
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -92,10 +96,11 @@ from xds.kube import (
     should_evict,
 )
 from xds.kube.names import LABEL_INJECT, TOKEN_AUDIENCE
+from xds.kube.work import adopted_work
 from xds.meshpolicy import MeshPolicy
 from xds.publisher import XdsPublisher
 from xds.secretpolicy import SecretPolicy
-from xds.state import Registration
+from xds.state import MeshState, Registration
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +341,14 @@ class KubeMode:
         if leader:
             self.submit(Work(WorkKind.REAPPLY))
 
+    def _on_adopted(self, before: MeshState, after: MeshState, names: Collection[str]) -> None:
+        """Rows another replica decided became this one's view: the deciding replica's events
+        queued the work there, but only the leader writes, so the leader does it here. Not
+        leading: nothing (the re-apply on winning the election takes over quarantines)."""
+        if self._is_leader():
+            for work in adopted_work(before, after, names, self.policies):
+                self.submit(work)
+
     # -- webhook TLS --------------------------------------------------------------------------
 
     def _webhook_tls(self) -> ssl.SSLContext:
@@ -402,6 +415,7 @@ class KubeMode:
     async def run(self, cp: ControlPlane, stop: asyncio.Event) -> None:
         """Watch, elect, act and serve the webhook until ``stop`` is set."""
         self._cp = cp
+        cp.add_adoption_listener(self._on_adopted)
         runners: list[web.AppRunner] = []
         s = self.settings
         # Each watch holds a worker thread for as long as it streams (the kubernetes client is

@@ -202,6 +202,7 @@ class ControlPlane:
         # claims on record as the collateral in force evaluates them (the TCB monitor's)
         self._tcb_view: Callable[[Claims], Claims] = lambda claims: claims
         self._listeners: list[Callable[[MeshState, Collection[str]], None]] = []
+        self._adoption_listeners: list[Callable[[MeshState, MeshState, Collection[str]], None]] = []
         self._quarantined = sum(w.status is Status.QUARANTINED for w in state.workloads.values())
         self._due: list[tuple[datetime, str]] = [
             (w.next_attestation_due, n)
@@ -430,6 +431,8 @@ class ControlPlane:
             self._track_deadline(name)
         for listener in self._listeners:
             listener(self._state, tuple(rows))
+        for adopted in self._adoption_listeners:
+            adopted(old, self._state, tuple(rows))
         self._metrics.quarantined.set(self._quarantined)
         self._adopted.update((n, (self._gen, w)) for n, w in rows.items())
         announce = _Announcement(self._announced, self._trust, frozenset(rows), (), -1)
@@ -851,6 +854,15 @@ class ControlPlane:
     def add_state_listener(self, listener: Callable[[MeshState, Collection[str]], None]) -> None:
         """Called with (new state, changed workloads) on every transition, on the loop."""
         self._listeners.append(listener)
+
+    def add_adoption_listener(
+        self, listener: Callable[[MeshState, MeshState, Collection[str]], None]
+    ) -> None:
+        """Called with (state before, state after, the workloads adopted) when rows another
+        replica made durable become this replica's view (its change feed, a write the store
+        refused, a recovered store), on the loop. These transitions have no events here: the
+        deciding replica's publisher announced them."""
+        self._adoption_listeners.append(listener)
 
     def apply_tcb_findings(
         self, findings: Sequence[TcbFinding], admitted: Iterable[str] = ()

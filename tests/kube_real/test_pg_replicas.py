@@ -212,13 +212,6 @@ async def test_one_lease_holder_one_trust_and_a_quarantine_on_either_reaches_the
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kube mode derives Kubernetes work from the deciding replica's own events: a "
-    "quarantine decided on a follower is adopted by the leader from the change feed with no "
-    "event, so no replica labels the pod (fix in attestmesh/kube_mode.py: act on adopted "
-    "status changes while leading)",
-)
 async def test_a_quarantine_decided_on_the_follower_is_acted_on_once_by_the_leader(
     env: Env, pg: PgCluster, tmp_path: Path
 ) -> None:

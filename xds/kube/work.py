@@ -1,6 +1,7 @@
 """Kubernetes work: what the mesh's events ask of the cluster, done in order by one worker.
 
-``build_work`` and ``should_evict`` are pure (events and policies -> work items).
+``build_work``, ``adopted_work`` and ``should_evict`` are pure (events, or the rows another
+replica decided, and policies -> work items).
 ``KubePublisher`` queues the work of every announced state; ``ActionQueue`` runs one worker
 and the periodic re-apply; ``WorkPerformer`` does one item (quarantine, release, audit, a
 namespace's trust bundle, or the full re-apply of everything persisted). Every action is
@@ -28,7 +29,7 @@ from xds.kube.trustbundle import TrustBundles
 from xds.kube.webhook import WebhookConfiguration
 from xds.kube.workloads import WorkloadRef
 from xds.meshpolicy import MeshPolicy
-from xds.state import Event, EventKind, MeshState, Registration, Trigger
+from xds.state import Event, EventKind, MeshState, Registration, Status, Trigger
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,45 @@ def build_work(
             out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.APPRAISAL_FAILED))
         elif e.kind is EventKind.REFUSED:
             out.append(Work(WorkKind.AUDIT, e.workload, e.reason, Trigger.VERIFICATION_FAILED))
+    return out
+
+
+def adopted_work(
+    before: MeshState,
+    after: MeshState,
+    names: Iterable[str],
+    policies: Sequence[AttestationPolicy],
+) -> list[Work]:
+    """What Kubernetes should do about rows another replica decided (adopted from the store,
+    with no events on this replica): a workload that became quarantined is quarantined (its
+    record's reason, trigger and platform flag; eviction by ``policies``), one that stopped
+    being quarantined (and still exists) is released. The same work ``build_work`` makes of
+    the deciding replica's events, so the Event aggregates with it. Pure; non-pods are left
+    alone."""
+    out: list[Work] = []
+    for name in sorted(set(names)):
+        try:
+            WorkloadRef.parse(name)
+        except ValueError:
+            continue
+        old, new = before.workloads.get(name), after.workloads.get(name)
+        was = old is not None and old.status is Status.QUARANTINED
+        if new is None:
+            continue  # gone: its pod is (being) deleted
+        if new.status is Status.QUARANTINED and not was and new.quarantine is not None:
+            q = new.quarantine
+            out.append(
+                Work(
+                    WorkKind.QUARANTINE,
+                    name,
+                    q.reason,
+                    q.trigger,
+                    evict=should_evict(policies, new.registration),
+                    platform_failed=q.platform,
+                )
+            )
+        elif was and new.status is not Status.QUARANTINED:
+            out.append(Work(WorkKind.RELEASE, name))
     return out
 
 
@@ -263,6 +303,7 @@ __all__ = [
     "Work",
     "WorkKind",
     "WorkPerformer",
+    "adopted_work",
     "build_work",
     "resync_wait",
     "should_evict",
