@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from tests.kube_real.plane import (
 from tests.kube_real.rest import Rest, until
 from tests.pg_harness import PgCluster, pg_cluster
 from xds.kube import CONDITION_ATTESTED, LABEL_QUARANTINED
+from xds.kube.conditions import micro_time
 from xds.state import Status, Trigger
 
 pytestmark = pytest.mark.integration
@@ -110,16 +111,40 @@ def events(admin: Rest, ns: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in admin.items("v1", "Event", ns) if e["reason"] == reason]
 
 
+LEASE = ("coordination.k8s.io/v1", "Lease", "attestmesh-system", "attestmesh-controlplane-leader")
+
+
+def hold_lease(admin: Rest, holder: str | None) -> None:
+    """The Lease as another holder's (renewed now, for an hour), or released (None)."""
+    now = micro_time(datetime.now(UTC))
+    spec = {"holderIdentity": holder, "leaseDurationSeconds": 3600, "renewTime": now}
+    current = admin.get_or_none(*LEASE)
+    if current is None:
+        admin.create(
+            {
+                "apiVersion": LEASE[0],
+                "kind": LEASE[1],
+                "metadata": {"name": LEASE[3], "namespace": LEASE[2]},
+                "spec": {**spec, "acquireTime": now},
+            }
+        )
+    else:
+        admin.patch(*LEASE, {"spec": spec})
+
+
 @contextlib.asynccontextmanager
 async def two_replicas(env: Env, pg: PgCluster, tmp_path: Path, ns: str) -> AsyncIterator[Pair]:
     """A (holding the Lease) and B on one database, a pod ``web-0`` in ``ns`` registered on
-    both and attested at B (the follower)."""
+    both and attested at B (the follower). ``Pair.stop_a`` stops A before B."""
     admin = env.admin
     await asyncio.to_thread(admin.apply, namespace_doc(ns))
     await asyncio.to_thread(admin.apply, service_account_doc(ns, "web"))
     await asyncio.to_thread(admin.apply, policy("web", ns))
     url = pg.create_database(ns.replace("-", "_"))
-    async with replica(env, url, tmp_path / "a", "cp-a", env.webhook_port) as a:
+    async with contextlib.AsyncExitStack() as a_stack:  # closed early by Pair.stop_a
+        a = await a_stack.enter_async_context(
+            replica(env, url, tmp_path / "a", "cp-a", env.webhook_port)
+        )
         await until(lambda: a.mode.elector.is_leader or None, timeout=40, what="A leads")
         async with replica(env, url, tmp_path / "b", "cp-b", free_port()) as b:
             stored = await running_pod(admin, injected_fixture_pod("web-0", ns=ns), "10.2.1.5")
@@ -136,7 +161,7 @@ async def two_replicas(env: Env, pg: PgCluster, tmp_path: Path, ns: str) -> Asyn
                 lambda: a.running.cp.status_of(workload) is Status.ATTESTED or None,
                 what="attested on A",
             )
-            yield Pair(a, b, workload, token, issued.serial)
+            yield Pair(a, b, workload, token, issued.serial, url, a_stack.aclose)
 
 
 @dataclass
@@ -146,6 +171,13 @@ class Pair:
     workload: str
     token: str
     serial: int  # of the certificate B issued
+    url: str  # the database
+    stop_a: Callable[[], Awaitable[None]]  # A stops (handing the Lease over); B runs on
+
+
+def attested_condition(pod: dict[str, Any]) -> str | None:
+    conds = [c for c in pod["status"].get("conditions") or [] if c["type"] == CONDITION_ATTESTED]
+    return conds[-1]["status"] if conds else None
 
 
 def labelled(admin: Rest, ns: str) -> dict[str, Any] | None:
@@ -228,3 +260,91 @@ async def test_a_quarantine_decided_on_the_follower_is_acted_on_once_by_the_lead
         await r.a.mode.drained()
         await until(lambda: labelled(admin, ns), timeout=10, what="pod labelled by the leader")
         assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
+
+
+def released(admin: Rest, ns: str) -> dict[str, Any] | None:
+    pod = admin.get("v1", "Pod", ns, "web-0")
+    unlabelled = LABEL_QUARANTINED not in pod["metadata"]["labels"]
+    return pod if unlabelled and attested_condition(pod) == "True" else None
+
+
+async def test_leadership_moving_after_a_followers_quarantine_keeps_one_event_and_moves_the_acting(
+    env: Env, pg: PgCluster, tmp_path: Path
+) -> None:
+    """B (a follower) quarantines, A (the leader) acts; A stops and B takes the Lease: its
+    re-apply on winning finds everything in place (one Event). A third replica C joins as a
+    follower and releases the pod: B, leading now, acts on the release C decided."""
+    admin, ns = env.admin, "pg-lead-moves"
+    async with two_replicas(env, pg, tmp_path, ns) as r:
+        a, b = r.a, r.b
+        assert b.running.cp.quarantine(r.workload, Trigger.OPERATOR, "compromised (on B)")
+        await b.running.cp.flushed()
+        await until(
+            lambda: a.running.cp.status_of(r.workload) is Status.QUARANTINED or None,
+            what="quarantine reached A",
+        )
+        await a.mode.drained()
+        await until(lambda: labelled(admin, ns), timeout=10, what="pod labelled by A")
+        assert WorkKind.REAPPLY not in [w.kind for w in b.mode.completed]  # B never led
+
+        await r.stop_a()  # A hands the Lease over; B takes it and re-applies on winning
+        await until(lambda: b.mode.elector.is_leader or None, timeout=20, what="B leads")
+        await until(
+            lambda: WorkKind.REAPPLY in [w.kind for w in b.mode.completed] or None,
+            what="B re-applied",
+        )
+        await b.mode.drained()
+        pod = await asyncio.to_thread(labelled, admin, ns)
+        assert pod is not None and attested_condition(pod) == "False"
+        assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
+
+        async with replica(env, r.url, tmp_path / "c", "cp-c", free_port()) as c:
+            assert c.running.cp.status_of(r.workload) is Status.QUARANTINED  # from the store
+            assert not c.mode.elector.is_leader
+            assert c.running.cp.release(r.workload)  # an operator, on the follower C
+            await c.running.cp.flushed()
+            await until(
+                lambda: b.running.cp.status_of(r.workload) is Status.PENDING or None,
+                what="release reached B",
+            )
+            await b.mode.drained()
+            await until(lambda: released(admin, ns), timeout=10, what="pod released by B")
+            # B performed a release no event of its own asked for: the adopted row's
+            assert WorkKind.RELEASE in [w.kind for w in b.mode.completed]
+            await c.mode.drained()
+        assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
+
+
+async def test_a_quarantine_decided_while_no_replica_leads_is_applied_by_the_next_leader(
+    env: Env, pg: PgCluster, tmp_path: Path
+) -> None:
+    """The Lease held by a replica that is gone (renewed for an hour): A stops leading; B
+    quarantines, and no replica writes to Kubernetes. Once the Lease is free, the replica that
+    takes it re-applies the quarantine on winning: the pod is labelled, one Event."""
+    admin, ns = env.admin, "pg-no-leader"
+    try:
+        async with two_replicas(env, pg, tmp_path, ns) as r:
+            await asyncio.to_thread(hold_lease, admin, "cp-gone")
+            await until(lambda: not r.a.mode.elector.is_leader or None, what="A stops leading")
+            assert r.b.running.cp.quarantine(r.workload, Trigger.OPERATOR, "compromised")
+            await r.b.running.cp.flushed()
+            await until(
+                lambda: r.a.running.cp.status_of(r.workload) is Status.QUARANTINED or None,
+                what="quarantine reached A",
+            )
+            await r.a.mode.drained()
+            await r.b.mode.drained()
+            assert await asyncio.to_thread(labelled, admin, ns) is None  # nobody led
+            assert await asyncio.to_thread(events, admin, ns, "Quarantined") == []
+
+            await asyncio.to_thread(hold_lease, admin, None)  # the Lease is free
+            leader = await until(
+                lambda: next((p for p in (r.a, r.b) if p.mode.elector.is_leader), None),
+                what="a replica leads",
+            )
+            pod = await until(lambda: labelled(admin, ns), timeout=10, what="pod labelled")
+            assert attested_condition(pod) == "False"
+            await leader.mode.drained()
+            assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
+    finally:
+        await asyncio.to_thread(hold_lease, admin, None)  # never left to a holder that is gone
