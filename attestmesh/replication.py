@@ -161,6 +161,10 @@ class CrlSigner:
         self._settle = settle_seconds
         self._min_interval = min_interval_seconds
         self._signed_at = -float("inf")  # monotonic
+        # a step that was due but came within min_interval of the last signature: when to take
+        # the next one (monotonic; inf: nothing owed), so it waits the rest of the interval,
+        # not a whole poll
+        self._wake_at = float("inf")
         self._poll = poll_seconds
         self._retry = retry_seconds
         self._closed = threading.Event()
@@ -203,7 +207,8 @@ class CrlSigner:
                     while not self._closed.is_set():
                         self.step(conn)
                         woke = False
-                        for _ in conn.notifies(timeout=self._poll, stop_after=1):
+                        wait = min(self._poll, max(0.0, self._wake_at - time.monotonic()))
+                        for _ in conn.notifies(timeout=wait, stop_after=1):
                             woke = True
                         if woke:  # coalesce the burst: one step for all of it
                             self._closed.wait(self._settle)
@@ -216,6 +221,7 @@ class CrlSigner:
     def step(self, conn: psycopg.Connection[Any]) -> None:
         """Sign (the leader) or follow (everyone else), as the class docstring says."""
         self.steps += 1
+        self._wake_at = float("inf")  # set again by a step that owes one
         if self._leadership.leading:
             self._lead(conn)
         else:
@@ -241,7 +247,8 @@ class CrlSigner:
             or revoked_since(conn, stored.covers)
         )
         if due and time.monotonic() - self._signed_at < self._min_interval:
-            return  # signed a moment ago: the next step (a commit, or the poll) signs
+            self._wake_at = self._signed_at + self._min_interval
+            return  # signed a moment ago: the next step (at _wake_at, or a commit) signs
         if not due:
             if self.stored is None or (stored is not None and stored.number > self.stored.number):
                 self._follow(conn)

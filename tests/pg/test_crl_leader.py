@@ -44,7 +44,7 @@ class Node:
     """One replica's election and CRL signer (the control plane around them is not needed:
     revocations are written through a store of this replica's own origin)."""
 
-    def __init__(self, url: str, ca: CertificateAuthority) -> None:
+    def __init__(self, url: str, ca: CertificateAuthority, **signer: float) -> None:
         self.leadership = Leadership(url, interval_seconds=0.2).start()
         self.store = PostgresStore(url)
         self.delivered: list[bytes] = []
@@ -56,6 +56,7 @@ class Node:
             deliver=self.delivered.append,
             clock=lambda: NOW,
             validity=VALIDITY,
+            **signer,
         ).start()
 
     def close(self) -> None:
@@ -174,6 +175,29 @@ def test_when_the_leader_dies_the_next_one_signs_and_the_old_one_stops(
         with psycopg.connect(pg_url) as conn:
             stored = read_crl(conn)
         assert stored is not None and stored.origin == follower.store.origin
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_a_revocation_right_after_a_signature_waits_out_the_interval_not_a_poll(
+    pg_url: str, ca: CertificateAuthority
+) -> None:
+    # the leader signs at most once per min_interval; a revocation inside that interval is
+    # signed when it ends, not at the next poll (5 s here) or the next commit (none comes)
+    timing = {"poll_seconds": 5.0, "min_interval_seconds": 1.0}
+    nodes = [Node(pg_url, ca, **timing), Node(pg_url, ca, **timing)]
+    try:
+        leader, follower = leader_and_follower(nodes)
+        until(lambda: leader.signer.signed == 1)  # the first set, on leading: just signed
+        until(lambda: follower.signer.current() is not None)
+        start = time.monotonic()
+        follower.store.write(Batch(revoked=(rev(303, "soon-after"),)))
+        # (the database may hold the other tests' revocations too)
+        until(lambda: 303 in serials(follower.signer.current()), timeout=10)
+        took = time.monotonic() - start
+        assert took < 3.0, took  # <= the rest of the 1 s interval + settle + the follower's read
+        assert leader.signer.signed == 2 and follower.signer.signed == 0
     finally:
         for n in nodes:
             n.close()
