@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Protocol
 
 from certs.ca import CertificateAuthority
-from certs.evidence.claims import Collateral
+from certs.collateral.source import CollateralSource as CollateralSource  # beside the fetchers
 from xds.build import TrustMaterial
 from xds.meshpolicy import MeshPolicy
 from xds.state import (
@@ -39,12 +39,6 @@ class Publisher(Protocol):
 
 class IdentityCheck(Protocol):
     async def check(self, reg: Registration, token: str | None) -> None: ...
-
-
-class CollateralSource(Protocol):
-    async def collateral_for(
-        self, evidence: bytes, supplied: Collateral, now: datetime
-    ) -> dict[str, bytes]: ...
 
 
 class Replication(Protocol):

@@ -85,13 +85,11 @@ def test_the_shared_names_are_defined_once() -> None:
         if "/" in v or v.startswith(("aws-", "hugepages", "HugePages", "attestmesh"))
     }
     assert "aws.ec2.nitro/nitro_enclaves" in shared and "attestmesh" in shared
-    # Equal strings that are other names: the certificate's organisation, a volume named after
-    # the ConfigMap it mounts, and the API group the pure policy parser checks documents
-    # against (certs may not import xds; pyproject's contracts).
+    # Equal strings that are other names: the certificate's organisation and a volume named
+    # after the ConfigMap it mounts.
     elsewhere = {
         ("certs/ca/claims.py", "CLAIMS_CLASS_ORG"),
         ("sidecar/inject.py", "TRUST_VOLUME"),
-        ("certs/policy.py", "API_GROUP"),
     }
     again = []
     for package in ("attestmesh", "certs", "sidecar", "xds"):
@@ -103,3 +101,12 @@ def test_the_shared_names_are_defined_once() -> None:
                 if value in shared and where not in elsewhere:
                     again.append(f"{path.relative_to(ROOT)}: {name} = {value!r}")
     assert again == []
+
+
+def test_the_api_group_is_the_policy_parsers() -> None:
+    # one definition: certs.policy (the lowest layer that needs it); the adapter re-exports it
+    import certs.policy
+    from xds.kube import names
+
+    assert names.GROUP is certs.policy.API_GROUP == "attestmesh.dev"
+    assert "GROUP" not in string_constants(ROOT / "xds/kube/names.py")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-# The custom resources' API group and version (AttestationPolicy, MeshPolicy, SecretPolicy).
-GROUP = "attestmesh.dev"
+# The custom resources' API group (defined once, by the pure policy parser that checks documents
+# against it: certs may not import xds) and version (AttestationPolicy, MeshPolicy, SecretPolicy).
+from certs.policy import API_GROUP as GROUP
+
 VERSION = "v1alpha1"
 
 # Opt-in and opt-out: a namespace or pod label ``enabled``/``disabled``; the pod annotation
