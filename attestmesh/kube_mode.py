@@ -25,8 +25,8 @@ control plane. What it wires:
   the same work for a workload whose row became, or stopped being, quarantined
   (``adopted_work``), so what any replica decides is written once, by the leader. On winning
   the election, and every ``resync``, the quarantines in the persisted state are re-applied
-  (idempotent), so actions survive a restart, a failed call or a quarantine decided while no
-  replica led.
+  (idempotent) and pods still labelled quarantined whose workload no longer is are released,
+  so actions survive a restart, a failed call or a transition decided while no replica led.
 - The sidecar-injection webhook is served in the same process, its serving certificate issued
   from the mesh CA (or given), and its CA bundle written into the MutatingWebhookConfiguration
   (``xds.kube.webhook``); an issued certificate is re-issued at half its lifetime, a failure
@@ -95,7 +95,7 @@ from xds.kube import (
     renewal_wait,
     should_evict,
 )
-from xds.kube.names import LABEL_INJECT, TOKEN_AUDIENCE
+from xds.kube.names import LABEL_INJECT, LABEL_QUARANTINED, TOKEN_AUDIENCE
 from xds.kube.work import adopted_work
 from xds.meshpolicy import MeshPolicy
 from xds.publisher import XdsPublisher
@@ -237,6 +237,7 @@ class KubeMode:
                 policies=lambda: self.policies,
                 retry=lambda: self.queue.retry(),
                 webhook=self.webhook_config,
+                labelled=self._labelled_pods,
             ),
             is_leader=self._is_leader,
             resync=settings.resync,
@@ -246,6 +247,11 @@ class KubeMode:
 
     def _is_leader(self) -> bool:
         return self.elector.is_leader
+
+    def _labelled_pods(self) -> list[str]:
+        """The watched pods carrying the quarantine label (the re-apply releases those whose
+        workload is no longer quarantined)."""
+        return [n for n, reg in self.source.pods.items() if reg.labels.get(LABEL_QUARANTINED)]
 
     @property
     def policies(self) -> tuple[AttestationPolicy, ...]:

@@ -320,7 +320,8 @@ async def test_a_quarantine_decided_while_no_replica_leads_is_applied_by_the_nex
 ) -> None:
     """The Lease held by a replica that is gone (renewed for an hour): A stops leading; B
     quarantines, and no replica writes to Kubernetes. Once the Lease is free, the replica that
-    takes it re-applies the quarantine on winning: the pod is labelled, one Event."""
+    takes it re-applies the quarantine on winning: the pod is labelled, one Event. Likewise a
+    release decided while nobody leads: the next leader's re-apply removes the label."""
     admin, ns = env.admin, "pg-no-leader"
     try:
         async with two_replicas(env, pg, tmp_path, ns) as r:
@@ -346,5 +347,31 @@ async def test_a_quarantine_decided_while_no_replica_leads_is_applied_by_the_nex
             assert attested_condition(pod) == "False"
             await leader.mode.drained()
             assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
+
+            # the same for a release: decided while nobody leads, written by the next leader
+            await asyncio.to_thread(hold_lease, admin, "cp-gone")
+            await until(lambda: not leader.mode.elector.is_leader or None, what="it stops leading")
+            follower = r.b if leader is r.a else r.a
+            await until(  # the label is watched (the re-apply reads it there)
+                lambda: (
+                    all(
+                        p.mode.source.pods[r.workload].labels.get(LABEL_QUARANTINED)
+                        for p in (r.a, r.b)
+                    )
+                    or None
+                ),
+                what="the label watched",
+            )
+            assert follower.running.cp.release(r.workload)
+            await follower.running.cp.flushed()
+            await until(
+                lambda: leader.running.cp.status_of(r.workload) is Status.PENDING or None,
+                what="release reached the other",
+            )
+            await r.a.mode.drained()
+            await r.b.mode.drained()
+            assert await asyncio.to_thread(labelled, admin, ns) is not None  # nobody led
+            await asyncio.to_thread(hold_lease, admin, None)
+            await until(lambda: released(admin, ns), timeout=10, what="pod released")
     finally:
         await asyncio.to_thread(hold_lease, admin, None)  # never left to a holder that is gone

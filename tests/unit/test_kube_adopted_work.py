@@ -1,13 +1,14 @@
 """xds.kube.work.adopted_work: the Kubernetes work of rows another replica decided (adopted
 from the store, no events here) is the work ``build_work`` makes of the deciding replica's
-events, for a workload that became or stopped being quarantined, and nothing else."""
+events, for a workload that became or stopped being quarantined, and nothing else.
+``stale_releases``: the labelled pods the re-apply releases."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
 from certs.policy import parse_policies
-from xds.kube.work import Work, WorkKind, adopted_work, build_work
+from xds.kube.work import Work, WorkKind, adopted_work, build_work, stale_releases
 from xds.state import (
     Endpoint,
     MeshState,
@@ -82,3 +83,14 @@ def test_only_a_change_of_quarantine_makes_work() -> None:
     assert adopted_work(before, before, ["shop/web-0", "shop/web-1"], []) == []
     local_q, _ = quarantine(before, "local-1", Trigger.OPERATOR, "x", T0)
     assert adopted_work(before, local_q, ["local-1"], []) == []
+
+
+def test_the_reapply_releases_only_labelled_pods_whose_workload_is_no_longer_quarantined() -> None:
+    state = registered()
+    state, _ = quarantine(state, "shop/web-0", Trigger.OPERATOR, "compromised", T0)
+    state, _ = quarantine(state, "local-1", Trigger.OPERATOR, "x", T0)
+    state, _ = release(state, "local-1", T0)
+    labelled = ["shop/web-1", "shop/web-0", "shop/gone-0", "local-1", "shop/web-1"]
+    # web-0 is quarantined (kept); gone-0 is unknown (left alone); local-1 is not a pod
+    assert stale_releases(state, labelled) == ["shop/web-1"]
+    assert stale_releases(state, []) == []

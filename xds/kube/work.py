@@ -134,6 +134,22 @@ def adopted_work(
     return out
 
 
+def stale_releases(state: MeshState, labelled: Iterable[str]) -> list[str]:
+    """The pods carrying the quarantine label (``labelled``, as watched) whose workload is
+    known and no longer quarantined: a release nobody wrote (decided while no replica led, or
+    its call failed). Pure; non-pods are left alone."""
+    out: list[str] = []
+    for name in sorted(set(labelled)):
+        try:
+            WorkloadRef.parse(name)
+        except ValueError:
+            continue
+        w = state.workloads.get(name)
+        if w is not None and w.status is not Status.QUARANTINED:
+            out.append(name)
+    return out
+
+
 def resync_wait(retrying: bool, resync: timedelta, backoff: float) -> tuple[float, float]:
     """(seconds until the next re-apply, the backoff after it): ``resync`` normally; after a
     failed action the backoff (doubling, from 1s), never longer than ``resync``. Pure."""
@@ -246,8 +262,9 @@ class ActionQueue:
 
 class WorkPerformer:
     """Does one work item. The re-apply (leader only, once the cluster is listed) re-derives
-    every quarantine from ``state()``, writes the webhook's CA bundle and re-checks every
-    namespace's trust bundle; a namespace that fails calls ``retry``."""
+    every quarantine from ``state()``, releases the pods still labelled quarantined whose
+    workload no longer is (``labelled()``: as watched), writes the webhook's CA bundle and
+    re-checks every namespace's trust bundle; a namespace that fails calls ``retry``."""
 
     def __init__(
         self,
@@ -260,8 +277,10 @@ class WorkPerformer:
         policies: Callable[[], Sequence[AttestationPolicy]],
         retry: Callable[[], None],
         webhook: WebhookConfiguration | None = None,
+        labelled: Callable[[], Iterable[str]] = lambda: (),
     ) -> None:
         self.actions, self.trust, self.webhook = actions, trust, webhook
+        self.labelled = labelled  # the pods watched carrying the quarantine label
         self.is_leader, self.synced, self.state = is_leader, synced, state
         self.policies, self.retry = policies, retry
 
@@ -291,6 +310,8 @@ class WorkPerformer:
         await self.actions.reapply(
             state, lambda name: should_evict(self.policies(), state.get(name).registration)
         )
+        for name in stale_releases(state, self.labelled()):
+            await self.actions.release(name)
         if self.webhook is not None:
             await self.webhook.write_ca_bundle()
         if await self.trust.ensure_all():
@@ -307,4 +328,5 @@ __all__ = [
     "build_work",
     "resync_wait",
     "should_evict",
+    "stale_releases",
 ]
