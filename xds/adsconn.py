@@ -497,6 +497,7 @@ class AdsConnection(asyncio.Protocol):
         if h2 is None or self._calls.get(call.sid) is not call:
             return
         if call.still_allowed is not None and not call.still_allowed(call.node):
+            self._send_final(call, h2)
             self._end(
                 call.sid,
                 PERMISSION_DENIED,
@@ -524,6 +525,22 @@ class AdsConnection(asyncio.Protocol):
                 self._hold(call)  # the rest stays due in the session
                 break
         self._flush()
+
+    def _send_final(self, call: _Call, h2: H2Server) -> None:
+        """What the node's configuration is now, once, before its revoked stream ends: after a
+        quarantine it admits nobody inbound and routes nowhere, so an honest Envoy refuses at
+        once instead of keeping its last configuration until every caller has been told (the
+        callers' and destinations' updates stay what protects the mesh). Best effort: nothing
+        beyond the peer's window or a paused transport."""
+        snapshot = self._server.ads.cache.get(call.node)
+        if snapshot is None or self._paused or h2.pending(call.sid):
+            return
+        for message in call.session.responses(snapshot):
+            if not call.started:
+                call.started = True
+                h2.send_headers(call.sid, GRPC_RESPONSE_HEADERS)
+            if not h2.send_message(call.sid, message) or h2.pending(call.sid):
+                return
 
     def _hold(self, call: _Call) -> None:
         if self._blocked is None:

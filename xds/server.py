@@ -46,6 +46,7 @@ Delta (``DeltaAggregatedResources``), per stream and type:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import warnings
@@ -739,6 +740,7 @@ async def _serve(
                     if still_allowed is not None and not still_allowed(node):
                         revoked = True
                         reader.cancel()
+                        await _send_final(stream, session, cache.get(node))
                         break
                     snapshot = cache.get(node)
                     if snapshot is None:
@@ -754,6 +756,19 @@ async def _serve(
             grpclib.const.Status.PERMISSION_DENIED,
             f"the client certificate no longer identifies node {node!r}",
         )
+
+
+async def _send_final(
+    stream: grpclib.server.Stream[Any, Any], session: _Session[Any], snapshot: Snapshot | None
+) -> None:
+    """The node's configuration as it is now, once, before its revoked stream ends (see
+    ``xds.adsconn``'s ``_send_final``): best effort, bounded by a second."""
+    if snapshot is None:
+        return
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            for message in session.responses(snapshot):
+                await stream.send_message(pb.Encoded(message))
 
 
 def _warm_snapshot() -> Snapshot:

@@ -29,13 +29,14 @@ from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, _load_server_cert, _xds_tls
 from certs.ca import CertificateAuthority
 from tests.component.test_ads_mtls import client_context
-from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
+from tests.unit.xds.meshfixture import TD, TRUST, allow, attested, reg, two_workloads
 from xds.adsconn import LeanAds
 from xds.build import Packer, build_snapshots
 from xds.cache import SnapshotCache
 from xds.h2conn import PREFACE
 from xds.resources import ADS_SERVICE, TypeUrl
 from xds.server import AdsServer, PeerIdentity, warm
+from xds.state import MeshState
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
@@ -296,16 +297,34 @@ async def test_a_foreign_node_is_permission_denied_and_the_connection_closed(
         await asyncio.wait_for(c.lost.wait(), 3)
 
 
-async def test_a_revoked_stream_ends_with_permission_denied(tmp_path: Path) -> None:
+async def test_a_revoked_stream_gets_its_final_configuration_then_permission_denied(
+    tmp_path: Path,
+) -> None:
     async with plane(tmp_path) as p:
         c, sid = await healthy_stream(p)
+        cds = DiscoveryResponse.parse(c.messages(sid)[0])
+        c.send(sid, sotw(None, nonce=cds.nonce))  # the ACK (SotW answers an open request only)
+        c.send(sid, bytes(DiscoveryRequest(type_url=TypeUrl.LISTENER)))
+        await c.until(lambda: len(c.messages(sid)) == 2)
+        lds = DiscoveryResponse.parse(c.messages(sid)[1])
+        assert lds.type_url == TypeUrl.LISTENER
+        c.send(sid, bytes(DiscoveryRequest(type_url=TypeUrl.LISTENER, response_nonce=lds.nonce)))
+        await asyncio.sleep(0.1)
+        before = len(c.messages(sid))
         p.allowed.discard("frontend")  # e.g. its certificate was revoked by a quarantine
-        current = p.cache.get("frontend")
-        assert current is not None
-        p.cache.set_snapshot("frontend", current)  # any new configuration re-checks
+        # its configuration changes as the revocation lands (here: it may call nothing more)
+        state = attested(
+            attested(MeshState(TD), reg("frontend", 15001), 1), reg("backend", 15002), 2
+        )
+        built = build_snapshots(state, [], TRUST, packer=Packer())
+        p.cache.set_snapshot("frontend", built["frontend"])
         status = await c.until(lambda: c.status(sid))
         assert status[b"grpc-status"] == b"7"
         assert b"no longer identifies" in status[b"grpc-message"]
+        # that configuration went out once, before the status: an honest Envoy applies it
+        final = [DiscoveryResponse.parse(m) for m in c.messages(sid)[before:]]
+        (clusters,) = [r for r in final if r.type_url == TypeUrl.CLUSTER]
+        assert len(clusters.resources) < len(cds.resources)
 
 
 async def test_missing_node_undecodable_request_and_unknown_method(tmp_path: Path) -> None:
