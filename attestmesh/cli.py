@@ -148,6 +148,7 @@ def _controlplane(args: argparse.Namespace) -> int:
         sim_platform_keys=tuple(args.sim_platform_key or ()),
         roots_dir=args.roots,
         xds_plaintext=args.xds_plaintext,
+        ads_transport=args.ads_transport,
         amd_kds_url=args.amd_kds_url,
         intel_pcs_url=args.intel_pcs_url,
         intel_root_ca_crl_url=args.intel_root_ca_crl_url,
@@ -368,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--xds-plaintext",
         action="store_true",
         help="serve xDS without TLS (loopback experiments only; default: mutual TLS)",
+    )
+    cp.add_argument(
+        "--ads-transport",
+        choices=("lean", "grpclib"),
+        default="lean",
+        help="the xDS port's HTTP/2: lean (our own, default) or grpclib (the fallback)",
     )
     cp.add_argument("--amd-kds-url", help="AMD KDS base URL (fetch VCEKs and chains, cached)")
     cp.add_argument("--intel-pcs-url", help="Intel PCS base URL (TCB info, QE identity, CRLs)")

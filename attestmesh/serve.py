@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpclib.server
 import yaml
 from aiohttp import web
 from cryptography import x509
@@ -40,7 +41,7 @@ from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.controlplane.service import CRL_VALIDITY
 from attestmesh.cp_attest import SelfAttestation
 from attestmesh.gcpolicy import GcPolicy
-from attestmesh.listen import ListenLimits, start_aiohttp, start_h2
+from attestmesh.listen import ListenLimits, start_aiohttp, start_grpc, start_h2
 from attestmesh.metrics import Metrics
 from attestmesh.replication import CrlSigner, PgReplication
 from attestmesh.secret_release import SecretReleaseSettings
@@ -113,6 +114,8 @@ class ControlPlaneSettings:
     api_port: int = 8443
     xds_port: int = 18000
     xds_plaintext: bool = False  # only for loopback experiments: xDS is mutual TLS by default
+    # the ADS port's HTTP/2: "lean" (xds.adsconn, our own) or "grpclib" (the fallback)
+    ads_transport: str = "lean"
     ops_port: int = 9090
     mesh_policy_file: Path | None = None
     registrations_file: Path | None = None
@@ -699,7 +702,10 @@ async def run_control_plane(
         status_cmd.add_route(ops_app, lambda: cp.state, cache, lambda: datetime.now(UTC))
         ops_runner = web.AppRunner(ops_app, access_log=None)
         authorize = None if xds_tls is None else authorize_node(cp)
-        grpc = LeanAds(AdsServer(cache, metrics, authorize=authorize))
+        ads = AdsServer(cache, metrics, authorize=authorize)
+        grpc: LeanAds | grpclib.server.Server = (
+            grpclib.server.Server([ads]) if settings.ads_transport == "grpclib" else LeanAds(ads)
+        )
         secret_runners: list[web.AppRunner] = []
         try:
             await api_runner.setup()
@@ -718,10 +724,16 @@ async def run_control_plane(
                 ops_runner, "127.0.0.1", settings.ops_port, ssl=None, limits=ops_limits(lim),
                 name="ops", on_refused=on_refused,
             )  # fmt: skip
-            await start_h2(
-                grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds",
-                on_refused=on_refused,
-            )  # fmt: skip
+            if isinstance(grpc, LeanAds):
+                await start_h2(
+                    grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds",
+                    on_refused=on_refused,
+                )  # fmt: skip
+            else:
+                await start_grpc(
+                    grpc, settings.host, settings.xds_port, ssl=xds_tls, limits=lim, name="xds",
+                    on_refused=on_refused,
+                )  # fmt: skip
             if settings.secrets is not None and secret_policies is not None:
                 secret_tls = secret_release.secrets_tls(cp.ca.bundle_pem)
                 contexts.append(secret_tls)
