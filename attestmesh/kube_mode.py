@@ -264,6 +264,8 @@ class KubeMode:
             wrap_publisher=self._wrap,
             run=self.run,
             secret_policies=self.secret_policies,
+            # on PostgreSQL the database's leader lock follows the Lease (read on its thread)
+            leader_eligible=self._is_leader,
         )
 
     def _wrap(self, inner: XdsPublisher) -> Publisher:

@@ -73,7 +73,7 @@ from xds.resources import control_plane_spiffe_id as control_plane_spiffe_id
 from xds.server import AdsServer, PeerIdentity, warm
 from xds.state import MeshState, Registration, Status, Trigger
 from xds.store import GroupCommitStore
-from xds.store_pg import Changes, follow, is_postgres_url, open_store, share_ca
+from xds.store_pg import Changes, Leadership, follow, is_postgres_url, open_store, share_ca
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,9 @@ class Hooks:
     run: Callable[[ControlPlane, asyncio.Event], Coroutine[Any, Any, None]] | None = None
     # secret release in Kubernetes mode: the SecretPolicies its CR watcher keeps current
     secret_policies: SecretPolicies | None = None
+    # several replicas on PostgreSQL: may this replica lead (CA rotation, the CRL)? Kubernetes
+    # mode: only while it holds the Lease, so one replica does all the leader's work
+    leader_eligible: Callable[[], bool] | None = None
 
 
 SERVER_CERT_TTL = timedelta(hours=24)
@@ -359,7 +362,10 @@ def build_control_plane(
     crl: CrlSigner | None = None
     made: list[ControlPlane] = []
     if feed is not None and settings.store is not None:  # one leader (CA rotation), one CA
-        replication = PgReplication(settings.store, settings.state_dir / "ca", feed, load_ca)
+        replication = PgReplication(
+            settings.store, settings.state_dir / "ca", feed, load_ca,
+            leadership=Leadership(settings.store, eligible=hooks.leader_eligible),
+        )  # fmt: skip
         replication.start()  # the election first: the CRL signer signs only while leading
 
         def deliver_crl(pem: bytes) -> None:  # on the loop, once the control plane exists

@@ -836,7 +836,11 @@ class Leadership:
     ``interval_seconds`` and, while leading, checks its connection as often; a leader that
     dies (its connection closes: kill -9 included) or is cut off (server-side TCP keepalives
     end its session within ~11 s) loses the lock, and the next try of another replica takes
-    it. ``is_leader`` turns False as soon as this replica's own check fails."""
+    it. ``is_leader`` turns False as soon as this replica's own check fails.
+
+    ``eligible`` (Kubernetes mode: "this replica holds the Lease"): the lock is taken only while
+    it says yes, and given up within an interval once it says no, so the replica that acts on
+    Kubernetes is also the one that rotates the CA and signs the CRL."""
 
     def __init__(
         self,
@@ -844,10 +848,12 @@ class Leadership:
         *,
         interval_seconds: float = 1.0,
         on_change: Callable[[bool], object] | None = None,
+        eligible: Callable[[], bool] | None = None,
     ) -> None:
         self.url = url
         self._interval = interval_seconds
         self._on_change = on_change
+        self._eligible = eligible
         self._closed = threading.Event()
         self.is_leader = False
         self.confirmed_at = 0.0  # monotonic: the last time the database confirmed the lock
@@ -894,9 +900,16 @@ class Leadership:
                                     "tcp_keepalives_count = 3"):  # fmt: skip
                         conn.execute(f"SET {setting}".encode())
                     while not self._closed.is_set():
-                        if self.is_leader:
+                        eligible = self._eligible is None or self._eligible()
+                        if self.is_leader and not eligible:
+                            conn.execute("SELECT pg_advisory_unlock(%s)", (LEADER_LOCK,))
+                            self.backend_pid = 0
+                            self._set(False)
+                        elif self.is_leader:
                             conn.execute("SELECT 1")
                             self.confirmed_at = time.monotonic()
+                        elif not eligible:
+                            pass  # another replica holds the Lease: leave the lock to it
                         else:
                             got = conn.execute(
                                 "SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)

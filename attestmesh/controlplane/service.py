@@ -229,6 +229,12 @@ class ControlPlane:
         return self._mesh_policies
 
     @property
+    def leads(self) -> bool:
+        """This replica does the leader's work (CA rotation, revocation pruning; on PostgreSQL
+        also the CRL): always, alone on SQLite."""
+        return self._replication is None or self._replication.is_leader()
+
+    @property
     def policies(self) -> tuple[AttestationPolicy, ...]:
         return self._policies
 
@@ -919,7 +925,7 @@ class ControlPlane:
             ]
             + self._tcb_grace.due(self._state, now)
         )  # fmt: skip
-        leader = self._replication is None or self._replication.is_leader()
+        leader = self.leads
         stale = leader and self._rotate_ca(now)  # once, by the leader
         stale |= leader and self._prune_revocations(now)
         if self._shared_crl() is None:  # else the leader's signer refreshes the one set

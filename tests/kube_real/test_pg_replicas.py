@@ -201,6 +201,9 @@ async def test_one_lease_holder_one_trust_and_a_quarantine_on_either_reaches_the
         )
         assert lease["spec"]["holderIdentity"] == "cp-a"  # one real Lease: A's
         assert not b.mode.elector.is_leader
+        # the database's leader lock follows the Lease: A also rotates the CA and signs the CRL
+        await until(lambda: a.running.cp.leads or None, what="A leads on the database too")
+        assert not b.running.cp.leads
 
         # the leader quarantines (a failed attestation at A): it labels the pod and records
         # the Event once; B adopts the quarantine and writes nothing
@@ -289,6 +292,7 @@ async def test_leadership_moving_after_a_followers_quarantine_keeps_one_event_an
 
         await r.stop_a()  # A hands the Lease over; B takes it and re-applies on winning
         await until(lambda: b.mode.elector.is_leader or None, timeout=20, what="B leads")
+        await until(lambda: b.running.cp.leads or None, timeout=10, what="B leads on the database")
         await until(
             lambda: WorkKind.REAPPLY in [w.kind for w in b.mode.completed] or None,
             what="B re-applied",

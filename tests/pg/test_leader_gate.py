@@ -1,0 +1,49 @@
+"""The database's leader lock gated by another election (Kubernetes mode: the Lease): a replica
+takes the lock only while it is eligible and gives it up within an interval once it is not, so
+one replica does all the leader's work (Kubernetes actions, CA rotation, the CRL)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from xds.store_pg import Leadership
+
+pytestmark = pytest.mark.integration
+
+
+def until(predicate: Callable[[], object], timeout: float = 10.0) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_the_lock_follows_eligibility(pg_url: str) -> None:
+    lease = {"holder": "b"}  # who holds the (other) election
+    a = Leadership(pg_url, interval_seconds=0.2, eligible=lambda: lease["holder"] == "a").start()
+    b = Leadership(pg_url, interval_seconds=0.2, eligible=lambda: lease["holder"] == "b").start()
+    try:
+        until(lambda: b.leading)
+        time.sleep(0.6)  # three of A's tries: it never takes the lock it is not eligible for
+        assert not a.is_leader and b.leading
+        lease["holder"] = "a"  # the Lease moves: B lets go, A takes the lock
+        moved = until(lambda: a.leading and not b.is_leader)
+        assert moved < 2.0, moved
+        assert b.backend_pid == 0 and a.backend_pid != 0
+        lease["holder"] = "nobody"  # no Lease holder: no database leader either
+        until(lambda: not a.is_leader and not b.is_leader)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_without_a_gate_the_first_to_try_leads(pg_url: str) -> None:
+    a = Leadership(pg_url, interval_seconds=0.2).start()
+    try:
+        until(lambda: a.leading)
+    finally:
+        a.close()
