@@ -15,7 +15,6 @@ import pytest
 import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from grpclib.client import Channel
 from grpclib.exceptions import GRPCError
 from pydantic.warnings import PydanticDeprecatedSince212
 
@@ -23,14 +22,13 @@ from attestmesh.cli import build_parser
 from attestmesh.demo import free_port
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
+from tests.component.test_ads_mtls import first_response
 from tests.component.test_agent import RecordingSink
 from tests.unit.fixtures_core import MEASUREMENT, policy_doc
 from xds.resources import ADS_SERVICE, TypeUrl
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
-    from envoy_data_plane.envoy.config.core.v3 import Node
-    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 
 PLATFORM = ec.generate_private_key(ec.SECP256R1())
 METHOD = f"/{ADS_SERVICE}/StreamAggregatedResources"
@@ -43,26 +41,6 @@ def test_the_flag_reaches_the_settings() -> None:
     assert parser.parse_args([*base, "--ads-transport", "grpclib"]).ads_transport == "grpclib"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--ads-transport", "h3"])
-
-
-async def first_cds(port: int, ctx: ssl.SSLContext, node: str) -> DiscoveryResponse:
-    channel = Channel("127.0.0.1", port, ssl=ctx)
-    try:
-        async with (
-            asyncio.timeout(10),
-            channel.request(
-                METHOD, grpclib.const.Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
-            ) as stream,
-        ):
-            await stream.send_message(
-                DiscoveryRequest(type_url=TypeUrl.CLUSTER, node=Node(id=node))
-            )
-            resp = await stream.recv_message()
-            assert resp is not None
-            await stream.cancel()
-            return resp
-    finally:
-        channel.close()
 
 
 @pytest.mark.parametrize("transport", ["lean", "grpclib"])
@@ -105,10 +83,10 @@ async def test_the_control_plane_serves_mtls_ads_on_either_transport(
         ctx = ssl.create_default_context(cadata=running.bundle_pem.decode())
         ctx.set_alpn_protocols(["h2"])
         ctx.load_cert_chain(tmp_path / "web.pem", tmp_path / "web.key")
-        resp = await first_cds(settings.xds_port, ctx, "web-1")
+        resp = await first_response(settings.xds_port, ctx, "web-1")
         assert resp.type_url == TypeUrl.CLUSTER and resp.version_info
         with pytest.raises(GRPCError) as exc:  # its certificate does not name db-1
-            await first_cds(settings.xds_port, ctx, "db-1")
+            await first_response(settings.xds_port, ctx, "db-1")
         assert exc.value.status is grpclib.const.Status.PERMISSION_DENIED
     finally:
         stop.set()

@@ -17,6 +17,7 @@ import pytest
 
 from tests.kube_real.cluster import Cluster, ensure_built
 from tests.kube_real.install import Installed, install
+from tests.kube_real.plane import Env, make_env
 from tests.kube_real.rest import Rest
 
 
@@ -67,3 +68,11 @@ def admin(cluster: Cluster) -> Iterator[Rest]:
 def installed(admin: Rest) -> Installed:
     """manifests/ (CRDs, namespace, RBAC, control plane, webhook) applied once per session."""
     return install(admin)
+
+
+@pytest.fixture(scope="module")
+def env(
+    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+) -> Env:
+    """The manifests' ServiceAccount kubeconfig, sim key and webhook port: one per module."""
+    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))

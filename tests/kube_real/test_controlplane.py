@@ -25,7 +25,7 @@ import pytest
 from sidecar.agent import AgentError
 from sidecar.inject import Decision, InjectConfig, SimInjection, mutate
 from tests.kube_real.cluster import Cluster, free_port
-from tests.kube_real.install import MANIFESTS, Installed
+from tests.kube_real.install import MANIFESTS
 from tests.kube_real.plane import (
     BAD,
     GOOD,
@@ -38,7 +38,6 @@ from tests.kube_real.plane import (
     control_plane,
     create,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     pod_token,
     policy,
@@ -60,13 +59,6 @@ from xds.kube import (
 from xds.state import Status, Trigger
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 async def test_webhook_mutates_pods_created_through_the_real_server(

@@ -18,13 +18,10 @@ from prometheus_client import CollectorRegistry
 
 from attestmesh.kube_mode import connect
 from tests.component.test_kube_adapter import Recorder, running
-from tests.kube_real.cluster import Cluster
-from tests.kube_real.install import Installed
 from tests.kube_real.plane import (
     GROUP_VERSION,
     Env,
     audited,
-    make_env,
     namespace_doc,
     ours,
     policy,
@@ -55,13 +52,6 @@ from xds.state import Endpoint, MeshState, Registration, Trigger, quarantine, re
 pytestmark = pytest.mark.integration
 
 LEASE = ("coordination.k8s.io/v1", "Lease", "attestmesh-system", "attestmesh-controlplane-leader")
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 def kc(env: Env) -> KubeClient:

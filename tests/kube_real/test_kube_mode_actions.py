@@ -19,8 +19,7 @@ import pytest
 
 from attestmesh.kube_mode import Work, WorkKind
 from sidecar.agent import AgentError
-from tests.kube_real.cluster import Cluster, free_port
-from tests.kube_real.install import Installed
+from tests.kube_real.cluster import free_port
 from tests.kube_real.plane import (
     BAD,
     GOOD,
@@ -28,7 +27,6 @@ from tests.kube_real.plane import (
     audited,
     control_plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     pod_token,
     policy,
@@ -40,13 +38,6 @@ from xds.kube import CONDITION_ATTESTED, LABEL_QUARANTINED, TAINT_PLATFORM_UNTRU
 from xds.state import Status, Trigger
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 def own_namespace(admin: Rest, ns: str) -> None:

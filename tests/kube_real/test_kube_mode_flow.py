@@ -24,8 +24,7 @@ from cryptography import x509
 from attestmesh.kube_mode import Work, WorkKind
 from sidecar.agent import AgentError, SimEvidenceSource, client_ssl_context
 from sidecar.inject import AGENT_CONTAINER, BOOTSTRAP_CONTAINER, TRUST_BUNDLE, decode_patch
-from tests.kube_real.cluster import Cluster, free_port
-from tests.kube_real.install import Installed
+from tests.kube_real.cluster import free_port
 from tests.kube_real.plane import (
     BAD,
     GOOD,
@@ -37,7 +36,6 @@ from tests.kube_real.plane import (
     audited,
     control_plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     ours,
     pod_token,
@@ -55,13 +53,6 @@ from xds.state import Status
 pytestmark = pytest.mark.integration
 
 TRUST_CM = "attestmesh-trust-bundle"
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 def own_namespace(admin: Rest, ns: str, labels: dict[str, str] | None = None) -> None:

@@ -22,15 +22,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.kube_real.cluster import Cluster
-from tests.kube_real.install import Installed
 from tests.kube_real.plane import (
     GROUP_VERSION,
     Env,
     Plane,
     control_plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     pinned,
     pod_token,
@@ -47,13 +44,6 @@ pytestmark = pytest.mark.integration
 
 TD = "attestmesh.local"
 SHOP_IP, EVIL_IP, CALLER_IP = "10.4.0.5", "10.9.0.66", "10.4.0.7"
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,7 @@ from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
 from sidecar.agent import AgentError
 from sidecar.inject import InjectConfig, SimInjection
-from tests.kube_real.cluster import Cluster, free_port
-from tests.kube_real.install import Installed
+from tests.kube_real.cluster import free_port
 from tests.kube_real.plane import (
     BAD,
     GOOD,
@@ -32,7 +31,6 @@ from tests.kube_real.plane import (
     Env,
     Plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     pod_token,
     policy,
@@ -46,13 +44,6 @@ from xds.kube.conditions import micro_time
 from xds.state import Status, Trigger
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 @pytest.fixture(scope="module")

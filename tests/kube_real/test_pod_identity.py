@@ -27,8 +27,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from certs.binding import expected_report_data
 from sidecar.agent import SimEvidenceSource, build_csr, client_ssl_context
-from tests.kube_real.cluster import Cluster
-from tests.kube_real.install import Installed
 from tests.kube_real.plane import (
     BAD,
     GOOD,
@@ -38,7 +36,6 @@ from tests.kube_real.plane import (
     audited,
     control_plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     ours,
     pod_token,
@@ -58,13 +55,6 @@ FOREIGN_PLATFORM = ec.generate_private_key(ec.SECP256R1())  # a platform the pol
 # Every identity refusal answers alike (no oracle for enumerating workloads); the identity
 # check's own reason is logged by the control plane.
 REFUSED = {"error": "identity_invalid", "detail": "unknown workload or bad credentials"}
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 @dataclass

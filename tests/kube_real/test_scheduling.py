@@ -31,7 +31,6 @@ from tests.kube_real.plane import (
     Env,
     app_pod,
     control_plane,
-    make_env,
     namespace_doc,
     service_account_doc,
 )
@@ -128,13 +127,6 @@ def nodes(cluster: Cluster, admin: Rest, installed: Installed) -> Iterator[list[
         cluster.stop_scheduler()
         for obj, _ in made:
             admin.delete("v1", "Node", None, obj["metadata"]["name"])
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 def injected(name: str, tee: str, cfg: InjectConfig = CFG) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.secrets import FanOut, SecretFetcher
 from tests.bao_harness import start_bao
 from tests.component.test_kube_adapter import Recorder, running
-from tests.kube_real.cluster import Cluster, free_port
-from tests.kube_real.install import MANIFESTS, Installed
+from tests.kube_real.cluster import free_port
+from tests.kube_real.install import MANIFESTS
 from tests.kube_real.plane import (
     GOOD,
     GROUP_VERSION,
@@ -32,7 +32,6 @@ from tests.kube_real.plane import (
     Env,
     control_plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     pod_token,
     policy,
@@ -48,13 +47,6 @@ pytestmark = pytest.mark.integration
 CRD = MANIFESTS / "crds" / "secretpolicies.attestmesh.dev.yaml"
 RBAC = MANIFESTS / "secrets" / "rbac.yaml"
 CRD_NAME = "secretpolicies.attestmesh.dev"
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 @pytest.fixture(scope="module")

@@ -15,29 +15,19 @@ import aiohttp
 import pytest
 
 from attestmesh import status_cmd
-from tests.kube_real.cluster import Cluster
-from tests.kube_real.install import Installed
 from tests.kube_real.plane import (
     Env,
     control_plane,
     injected_fixture_pod,
-    make_env,
     namespace_doc,
     pod_token,
     policy,
     running_pod,
     service_account_doc,
 )
-from tests.kube_real.rest import Rest, until
+from tests.kube_real.rest import until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 async def test_status_lists_the_pod_as_attested(env: Env, tmp_path: Path) -> None:

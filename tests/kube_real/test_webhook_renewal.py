@@ -21,10 +21,8 @@ import attestmesh.kube_mode as kube_mode
 from attestmesh.metrics import Metrics
 from certs.ca import CertificateAuthority
 from certs.errors import AttestmeshError
-from tests.kube_real.cluster import Cluster
-from tests.kube_real.install import Installed
-from tests.kube_real.plane import SHOP, WEBHOOK, Env, app_pod, control_plane, make_env
-from tests.kube_real.rest import Rest, until
+from tests.kube_real.plane import SHOP, WEBHOOK, Env, app_pod, control_plane
+from tests.kube_real.rest import until
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +30,6 @@ pytestmark = pytest.mark.integration
 # handshake to meet a certificate that has not expired on a loaded machine
 RENEW_TTL = timedelta(seconds=4)
 RETRY = (timedelta(seconds=0.05), timedelta(seconds=0.2))
-
-
-@pytest.fixture(scope="module")
-def env(
-    cluster: Cluster, admin: Rest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
-) -> Env:
-    return make_env(cluster, admin, tmp_path_factory.mktemp("env"))
 
 
 def renewals(metrics: Metrics, result: str) -> float:
