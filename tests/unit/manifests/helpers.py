@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from attestmesh.kube_schemas import CrdVersion, parse_crd
+from tests.unit.manifests.kube_schemas import CrdVersion, parse_crd
 from tests.vectors import REPO
 
 MANIFESTS = REPO / "manifests"

@@ -13,7 +13,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from attestmesh.kube_schemas import build_json_schema, parse_crd, structural_problems
 from certs.errors import PolicyError
 from certs.evidence.claims import Tee
 from certs.policy import parse_policies, policies_for
@@ -30,6 +29,7 @@ from tests.unit.manifests.helpers import (
     schema_errors,
     upstream_device_plugin,
 )
+from tests.unit.manifests.kube_schemas import build_json_schema, parse_crd, structural_problems
 from xds.meshpolicy import parse_mesh_policies
 
 DOCS = list(manifest_docs())

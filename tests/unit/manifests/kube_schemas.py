@@ -1,4 +1,6 @@
 """CustomResourceDefinition structural schemas as JSON Schema, for offline validation. Pure.
+(Test support: the manifest tests validate every example against the CRDs with it; it was
+``attestmesh.kube_schemas``, which nothing in the product used.)
 
 The API server validates custom resources against a CRD's ``openAPIV3Schema`` (OpenAPI 3.0
 with Kubernetes extensions). ``build_json_schema`` turns the subset that CRDs use into a JSON
