@@ -721,6 +721,10 @@ class ControlPlane:
                     "store_unavailable",
                     f"{req.workload} changed on another replica during this attestation; retry",
                 ) from None
+            # Quarantined (or gone) while the answer waited for the store: the quarantine
+            # revoked this certificate; neither it nor a nonce that would outlive the
+            # quarantine is handed out.
+            ensure_may_issue(self._state, req.workload)
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
@@ -729,7 +733,8 @@ class ControlPlane:
     def _offer_nonce(self, issued: Issued, now: datetime) -> Issued:
         """Hand out the nonce for this workload's next attestation with its certificate (one
         per workload, replacing any earlier one), valid until it must re-attest."""
-        if issued.reattest_by <= now or issued.workload not in self._state.workloads:
+        w = self._state.workloads.get(issued.workload)
+        if issued.reattest_by <= now or w is None or w.status is not Status.ATTESTED:
             return issued
         nonce, expires = self._nonces.offer(now, self._random, issued.reattest_by)
         self._offered[issued.workload] = nonce

@@ -1,0 +1,161 @@
+"""An attacker's review of the attestation fast path (issue 7): the offered nonce against
+races with a quarantine, a restart and a mismatched binding."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.controlplane import AttestationLimiter
+from certs.binding import expected_report_data
+from certs.evidence import sim
+from certs.issuance import AttestRequest, EvidenceRejected
+from certs.nonces import NonceBook, NonceError
+from certs.standing import QuarantinedError
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    NOW,
+    Clock,
+    csr_pem,
+    make_control_plane,
+    new_key,
+    registration,
+    spki,
+)
+from xds.state import Status, Trigger
+from xds.store import Batch
+
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+
+
+def request(name: str, nonce: bytes, *, bound_to: bytes | None = None) -> AttestRequest:
+    """An attestation presenting ``nonce`` whose evidence binds ``bound_to`` (default: it)."""
+    key = new_key()
+    report = expected_report_data(bound_to if bound_to is not None else nonce, spki(key))
+    evidence = sim.build_report(PLATFORM, report_data=report, measurement=MEASUREMENT)
+    return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
+
+
+def plane(tmp_path: Path, clock: Clock) -> Any:
+    p = make_control_plane(
+        tmp_path,
+        clock=clock,
+        platform_key=PLATFORM,
+        registrations=[registration("web-1"), registration("web-2", port=15002)],
+    )
+    p.cp._limiter = AttestationLimiter(burst=100)
+    return p
+
+
+class HeldStore:
+    """Writes commit at once but are acknowledged only when the test releases them (a slow
+    group commit): what the control plane does while an answer waits for durability."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.held: list[asyncio.Future[None]] = []
+
+    def write(self, batch: Batch) -> asyncio.Future[None]:
+        self._inner.write(batch)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.held.append(fut)
+        return fut
+
+    def release(self) -> None:
+        for fut in self.held:
+            if not fut.done():
+                fut.set_result(None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def test_an_attestation_racing_a_quarantine_gets_no_certificate_and_no_nonce(
+    tmp_path: Path,
+) -> None:
+    """Quarantined while its answer waits for durability: the certificate it would carry is
+    revoked by the quarantine, and neither it nor a nonce for the next attestation is handed
+    out (a nonce offered after the quarantine would outlive it, into a release)."""
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    store = HeldStore(p.store)
+    cp._store = store
+    task = asyncio.ensure_future(cp.attest(request("web-1", cp.challenge()[0]), None))
+    while not store.held:  # verified, signed and recorded; waiting for the store
+        await asyncio.sleep(0.01)
+    serial = cp.state.get("web-1").certificates[-1].serial
+    assert cp.quarantine("web-1", Trigger.OPERATOR, "drill")
+    store.release()
+    with pytest.raises(QuarantinedError) as info:
+        await task
+    assert info.value.reason == "quarantined"
+    assert "web-1" not in cp._offered
+    assert serial in cp.state.revoked_serials()
+    store.release()  # (the quarantine's own write)
+
+
+async def test_an_attestation_quarantined_while_it_is_verified_is_refused(
+    tmp_path: Path,
+) -> None:
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    first = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    off_loop = cp._off_loop
+
+    async def then_quarantined(fn: Any, *args: Any) -> Any:
+        result = await off_loop(fn, *args)
+        cp.quarantine("web-1", Trigger.OPERATOR, "during verification")
+        return result
+
+    cp._off_loop = then_quarantined
+    with pytest.raises(QuarantinedError):
+        await cp.attest(request("web-1", first.next_nonce), None)
+    assert "web-1" not in cp._offered
+    assert cp.status_of("web-1") is Status.QUARANTINED
+    assert cp.state.get("web-1").certificates == ()
+
+
+async def test_an_offered_nonce_is_refused_cleanly_after_a_restart(tmp_path: Path) -> None:
+    """Offered nonces are not persisted: the restarted control plane has a new key, refuses
+    one as unknown (the agent's cue to ask for a challenge), and a challenge still serves."""
+    p = plane(tmp_path, Clock(NOW))
+    issued = await p.cp.attest(request("web-1", p.cp.challenge()[0]), None)
+    await p.cp.flushed()
+    p.store.close()
+    again = make_control_plane(tmp_path, clock=Clock(NOW), platform_key=PLATFORM)
+    cp = again.cp
+    assert cp.status_of("web-1") is Status.ATTESTED
+    with pytest.raises(NonceError) as info:
+        await cp.attest(request("web-1", issued.next_nonce), None)
+    assert info.value.reason == "nonce_unknown"
+    renewed = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    assert NonceBook.is_offered(renewed.next_nonce)
+
+
+async def test_the_offered_nonce_is_bound_into_the_evidence_like_a_challenges(
+    tmp_path: Path,
+) -> None:
+    """Evidence binding another nonce (the challenge's, an older offered one) does not pass
+    with the offered one, nor the reverse; the offered nonce is spent by the attempt."""
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    first = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    challenge = cp.challenge()[0]
+    with pytest.raises(EvidenceRejected) as info:
+        await cp.attest(request("web-1", first.next_nonce, bound_to=challenge), None)
+    assert info.value.reason == "binding_mismatch"
+    with pytest.raises(NonceError):  # one use, whatever the outcome
+        await cp.attest(request("web-1", first.next_nonce), None)
+    second = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    with pytest.raises(EvidenceRejected) as info:
+        await cp.attest(request("web-1", cp.challenge()[0], bound_to=second.next_nonce), None)
+    assert info.value.reason == "binding_mismatch"
+    assert cp.status_of("web-1") is Status.ATTESTED  # a refused request quarantines nothing
+    refused = p.sample(
+        "attestmesh_attestations_total", tee="sim", result="rejected", reason="binding_mismatch"
+    )
+    assert refused == 2
