@@ -10,7 +10,10 @@ invalid UTF-8). Tested against betterproto2's encoding of random messages.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
+    "MAX_NAMES",
     "DeltaRequest",
     "ErrorDetail",
     "NodeRef",
@@ -19,6 +22,11 @@ __all__ = [
     "decode_delta",
     "decode_sotw",
 ]
+
+
+MAX_NAMES = 100_000
+"""Most resource names (or initial versions) one request may carry: a 4 MiB message of empty
+names would otherwise be two million strings and seconds of the event loop."""
 
 
 class WireError(ValueError):
@@ -99,9 +107,9 @@ def _varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: bytes, i: int, end: int) -> list[tuple[int, int, int, int]]:
-    """(field number, value or start, end (-1 for a varint), wire type) of each field."""
-    out: list[tuple[int, int, int, int]] = []
+def _fields(buf: bytes, i: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, value or start, end (-1 for a varint), wire type) of each field, one at
+    a time (a list of them would cost ~100 bytes per 2-byte field of the message)."""
     while i < end:
         key, i = _varint(buf, i, end)
         num, wt = key >> 3, key & 7
@@ -109,12 +117,12 @@ def _fields(buf: bytes, i: int, end: int) -> list[tuple[int, int, int, int]]:
             raise WireError("field number 0")
         if wt == 0:
             v, i = _varint(buf, i, end)
-            out.append((num, v, -1, 0))
+            yield num, v, -1, 0
         elif wt == 2:
             n, i = _varint(buf, i, end)
             if i + n > end:
                 raise WireError("truncated length-delimited field")
-            out.append((num, i, i + n, 2))
+            yield num, i, i + n, 2
             i += n
         elif wt == 1:
             i += 8
@@ -124,7 +132,6 @@ def _fields(buf: bytes, i: int, end: int) -> list[tuple[int, int, int, int]]:
             raise WireError(f"unsupported wire type {wt}")
         if i > end:
             raise WireError("truncated fixed-width field")
-    return out
 
 
 def _str(buf: bytes, start: int, end: int) -> str:
@@ -146,7 +153,8 @@ def _status(buf: bytes, start: int, end: int) -> ErrorDetail:
     detail = ErrorDetail()
     for num, a, b, wt in _fields(buf, start, end):
         if num == 1 and wt == 0:
-            detail.code = a - (1 << 64) if a >= 1 << 63 else a  # int32, sign-extended
+            code = a & 0xFFFF_FFFF  # int32: the low 32 bits (a varint may hold up to 70)
+            detail.code = code - (1 << 32) if code >= 1 << 31 else code
         elif num == 2 and wt == 2:
             detail.message = _str(buf, a, b)
     return detail
@@ -155,6 +163,11 @@ def _status(buf: bytes, start: int, end: int) -> ErrorDetail:
 def _check(wt: int, want: int, num: int) -> None:
     if wt != want:
         raise WireError(f"field {num} has wire type {wt}, expected {want}")
+
+
+def _room(count: int) -> None:
+    if count >= MAX_NAMES:
+        raise WireError(f"more than {MAX_NAMES} resource names in one request")
 
 
 def decode_sotw(data: bytes) -> SotwRequest:
@@ -168,6 +181,7 @@ def decode_sotw(data: bytes) -> SotwRequest:
             req.node = _node(data, a, b)
         elif num == 3:
             _check(wt, 2, num)
+            _room(len(req.resource_names))
             req.resource_names.append(_str(data, a, b))
         elif num == 4:
             _check(wt, 2, num)
@@ -183,6 +197,7 @@ def decode_sotw(data: bytes) -> SotwRequest:
 
 def decode_delta(data: bytes) -> DeltaRequest:
     req = DeltaRequest()
+    entries = 0  # initial_resource_versions entries read (a key may repeat)
     for num, a, b, wt in _fields(data, 0, len(data)):
         if num == 1:
             _check(wt, 2, num)
@@ -192,12 +207,16 @@ def decode_delta(data: bytes) -> DeltaRequest:
             req.type_url = _str(data, a, b)
         elif num == 3:
             _check(wt, 2, num)
+            _room(len(req.resource_names_subscribe))
             req.resource_names_subscribe.append(_str(data, a, b))
         elif num == 4:
             _check(wt, 2, num)
+            _room(len(req.resource_names_unsubscribe))
             req.resource_names_unsubscribe.append(_str(data, a, b))
         elif num == 5:
             _check(wt, 2, num)
+            _room(entries)
+            entries += 1
             key = value = ""
             for n2, a2, b2, wt2 in _fields(data, a, b):
                 if n2 == 1 and wt2 == 2:
