@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import final
+from typing import ClassVar, NoReturn, Self, SupportsIndex, final
 
 from cryptography import x509
 
@@ -64,18 +64,54 @@ class AttestRequest:
 _SEAL = object()  # only this module constructs Verified and Admission
 
 
+class _Sealed:
+    """Made only with the seal, never changed. The ordinary ways around ``__init__`` are
+    closed: ``cls.__new__`` (what pickle and copy reconstruct with) needs the seal, slots
+    cannot be set or deleted, a copy is the value itself (it is immutable), pickling is
+    refused. (``object.__new__`` with ``object.__setattr__`` is deliberate circumvention no
+    Python class stops; the seal guards the leaf path against mistakes, not in-process code,
+    which could read the CA key anyway.)"""
+
+    __slots__ = ()
+    _made_by: ClassVar[str] = ""
+
+    def __new__(cls, seal: object, *args: object) -> Self:
+        if seal is not _SEAL:
+            raise TypeError(f"{cls.__name__} comes from certs.issuance.{cls._made_by} only")
+        return super().__new__(cls)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __copy__(self) -> Self:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Self:
+        return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(f"{type(self).__name__} is not pickled: verify again")
+
+
 @final
-class Verified:
+class Verified(_Sealed):
     """Evidence that verified to its vendor root and binds ``nonce`` and the CSR's key."""
 
     __slots__ = ("_claims", "_csr", "_nonce")
+    _made_by: ClassVar[str] = "verify_request"
+    _csr: x509.CertificateSigningRequest
+    _claims: Claims
+    _nonce: bytes
 
     def __init__(
         self, seal: object, csr: x509.CertificateSigningRequest, claims: Claims, nonce: bytes
     ) -> None:
-        if seal is not _SEAL:
-            raise TypeError("a Verified comes from certs.issuance.verify_request only")
-        self._csr, self._claims, self._nonce = csr, claims, nonce
+        object.__setattr__(self, "_csr", csr)
+        object.__setattr__(self, "_claims", claims)
+        object.__setattr__(self, "_nonce", nonce)
 
     @property
     def csr(self) -> x509.CertificateSigningRequest:
@@ -91,16 +127,18 @@ class Verified:
 
 
 @final
-class Admission:
+class Admission(_Sealed):
     """The issuance decision: the verified CSR and nonce, and the policy's ``Admitted`` for its
     claims. What the CA's ``issue`` takes; made by ``decide`` only."""
 
     __slots__ = ("_admitted", "_verified")
+    _made_by: ClassVar[str] = "decide"
+    _verified: Verified
+    _admitted: Admitted
 
     def __init__(self, seal: object, verified: Verified, admitted: Admitted) -> None:
-        if seal is not _SEAL:
-            raise TypeError("an Admission comes from certs.issuance.decide only")
-        self._verified, self._admitted = verified, admitted
+        object.__setattr__(self, "_verified", verified)
+        object.__setattr__(self, "_admitted", admitted)
 
     @property
     def admitted(self) -> Admitted:
