@@ -19,10 +19,14 @@ for each stream event and queues the bytes to send, which the adapter takes with
 
 A connection error (:class:`H2Error`) queues GOAWAY with its code; the adapter sends it and
 closes the connection. A stream error resets only that stream. Frames that cost the server
-work but carry no application data (PING, SETTINGS, PRIORITY, RST_STREAM, empty DATA, unknown
-types, refused streams) are budgeted: more than ``control_budget`` of them within
-``budget_seconds`` (by the clock the caller passes to ``receive``) and with no gRPC message
-in between is a flood (ENHANCE_YOUR_CALM); a quiet stream's keepalive PINGs never are.
+work but carry no application data (PING, SETTINGS, PRIORITY, RST_STREAM, empty DATA or
+CONTINUATION, unknown types, refused streams) and every new stream are budgeted: more than
+``control_budget`` of them within ``budget_seconds`` (by the clock the caller passes to
+``receive``) is a flood (ENHANCE_YOUR_CALM). Each gRPC message received gives one back (so a
+stream that opens and sends its request costs nothing, and churn of streams that do is no
+flood), never more than ``control_budget``: a message no longer buys a whole new budget, so
+PINGs between tiny messages, or streams opened only to be refused (each answered with a
+response), stay bounded. A quiet stream's keepalive PINGs never are a flood.
 """
 
 from __future__ import annotations
@@ -584,6 +588,8 @@ class H2Server:
         cont = self._cont
         if cont is None or cont[0] != sid:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        if not payload and not flags & END_HEADERS:
+            self._spend()  # an empty CONTINUATION carries nothing: a flood of them is work only
         cont[2].extend(payload)
         self._check_block(cont[2])
         if flags & END_HEADERS:
@@ -619,6 +625,7 @@ class H2Server:
             self._spend()
             self._out.append(_frame(RST_STREAM, 0, sid, _HDR.pack(ErrorCode.REFUSED_STREAM)))
             return
+        self._spend()  # given back by the stream's first message
         st = _Stream(self._stream_init_window, self._limits.window)
         self.streams[sid] = st
         self._handler.on_headers(sid, headers, end_stream)
@@ -691,7 +698,8 @@ class H2Server:
                 break
             message = bytes(buf[5 : 5 + n])
             del buf[: 5 + n]
-            self._budget = self._limits.control_budget
+            if self._budget < self._limits.control_budget:
+                self._budget += 1
             self._handler.on_message(sid, message)
             if sid not in self.streams:
                 return
