@@ -18,7 +18,9 @@ the agent a challenge round trip). It is marked (the top bit of its first byte) 
 longer (until the workload must re-attest), so the replay set does not take it: the control
 plane keeps the one offered nonce per workload and accepts it only from that workload, once
 (``check`` verifies its MAC and expiry; ``consume`` refuses it). Memory stays one nonce per
-workload; another replica refuses it (``nonce_unknown``) and the agent asks for a challenge.
+workload; another replica or a restarted one refuses it (``nonce_unknown``: its key differs),
+the one that offered it refuses it once used or taken back (``nonce_not_offered``), and the
+agent asks for a challenge.
 
 The key is random per process by default: after a restart every outstanding nonce fails its
 MAC and is refused, which is the safe direction. Replicas that share the key accept each

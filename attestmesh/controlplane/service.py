@@ -433,8 +433,10 @@ class ControlPlane:
                 before is not None and before.status is Status.QUARANTINED
             )
         self._state = replace(old, workloads=workloads)
-        for name in rows:
+        for name, w in rows.items():
             self._track_deadline(name)
+            if w is None or w.status is not Status.ATTESTED:  # quarantined, released or gone
+                self._offered.pop(name, None)  # on another replica: as if done here
         for listener in self._listeners:
             listener(self._state, tuple(rows))
         for adopted in self._adoption_listeners:
@@ -746,12 +748,16 @@ class ControlPlane:
         if not self._nonces.is_offered(nonce):
             self._nonces.consume(nonce, now)
             return
-        if not hmac.compare_digest(self._offered.get(workload, b""), nonce):
-            raise NonceError(
-                "nonce_unknown", "no such offered nonce (used, or offered elsewhere): challenge"
-            )
-        del self._offered[workload]
-        self._nonces.check(nonce, now)
+        if hmac.compare_digest(self._offered.get(workload, b""), nonce):
+            del self._offered[workload]
+            self._nonces.check(nonce, now)  # nonce_expired past the deadline
+            return
+        self._nonces.check(nonce, now)  # forged, another replica's or a restart's: nonce_unknown
+        raise NonceError(  # authentic, but not what this workload holds now: a replay (or theft)
+            "nonce_not_offered",
+            "this offered nonce was used, replaced, dropped (quarantine, lost answer) or offered"
+            " to another workload: request a challenge",
+        )
 
     def _refused(self, name: str, exc: EvidenceRejected, now: datetime) -> None:
         """Count and record a rejection; quarantine only on authentic evidence policy rejects."""

@@ -480,4 +480,4 @@ async def test_an_offered_nonce_is_used_once_and_a_refused_one_falls_back_to_a_c
     ]  # fmt: skip
     assert len({first.serial, second.serial, third.serial}) == 3
     assert len(sink.updates) == 3
-    assert server.plane.rejections("renew", "nonce_unknown") == 1.0
+    assert server.plane.rejections("renew", "nonce_not_offered") == 1.0

@@ -66,13 +66,13 @@ async def test_the_nonce_offered_with_a_certificate_serves_that_workloads_next_a
     await cp.attest(request("web-2", cp.challenge()[0]), None)
     with pytest.raises(NonceError) as info:
         await cp.attest(request("web-2", first.next_nonce), None)
-    assert info.value.reason == "nonce_unknown"
+    assert info.value.reason == "nonce_not_offered"
     # its workload can, once
     second = await cp.attest(request("web-1", first.next_nonce), None)
     assert second.serial != first.serial and second.next_nonce != first.next_nonce
     with pytest.raises(NonceError) as info:
         await cp.attest(request("web-1", first.next_nonce), None)
-    assert info.value.reason == "nonce_unknown"
+    assert info.value.reason == "nonce_not_offered"
     # a challenge's nonce cannot be passed off as an offered one (the MAC covers the mark)
     plain = bytearray(cp.challenge()[0])
     plain[0] |= 0x80

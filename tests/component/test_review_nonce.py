@@ -4,13 +4,17 @@ races with a quarantine, a restart and a mismatched binding."""
 from __future__ import annotations
 
 import asyncio
+import base64
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import AttestationLimiter
+from attestmesh.controlplane.http import build_app
 from certs.binding import expected_report_data
 from certs.evidence import sim
 from certs.issuance import AttestRequest, EvidenceRejected
@@ -26,10 +30,18 @@ from tests.unit.fixtures_core import (
     registration,
     spki,
 )
-from xds.state import Status, Trigger
+from xds.state import Status, Trigger, quarantine, release
 from xds.store import Batch
 
 PLATFORM = ec.generate_private_key(ec.SECP256R1())
+
+
+class _Any:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and bool(other)
+
+
+ANY_DETAIL: Any = _Any()
 
 
 def request(name: str, nonce: bytes, *, bound_to: bytes | None = None) -> AttestRequest:
@@ -159,3 +171,82 @@ async def test_the_offered_nonce_is_bound_into_the_evidence_like_a_challenges(
         "attestmesh_attestations_total", tee="sim", result="rejected", reason="binding_mismatch"
     )
     assert refused == 2
+
+
+async def test_a_quarantine_adopted_from_another_replica_drops_the_offered_nonce(
+    tmp_path: Path,
+) -> None:
+    """Another replica quarantined the workload, then an operator released it there: this
+    replica adopts both rows and the nonce it offered before does not outlive them (the
+    released workload attests with a challenge)."""
+    clock = Clock(NOW)
+    p = plane(tmp_path, clock)
+    cp = p.cp
+    issued = await cp.attest(request("web-1", cp.challenge()[0]), None)
+    mine = cp.state
+    elsewhere, _ = quarantine(mine, "web-1", Trigger.OPERATOR, "on replica b", NOW)
+    revoked = elsewhere.revocations[len(mine.revocations) :]
+    p.store.write(Batch({"web-1": elsewhere.get("web-1")}, frozenset(), revoked))  # replica b
+    cp.adopt_rows({"web-1": elsewhere.get("web-1")}, revoked)
+    assert "web-1" not in cp._offered
+    assert issued.serial in cp.state.revoked_serials()
+    released, _ = release(elsewhere, "web-1", NOW)
+    p.store.write(Batch({"web-1": released.get("web-1")}))
+    cp.adopt_rows({"web-1": released.get("web-1")})
+    assert cp.status_of("web-1") is Status.PENDING
+    with pytest.raises(NonceError) as info:
+        await cp.attest(request("web-1", issued.next_nonce), None)
+    assert info.value.reason == "nonce_not_offered"
+    await cp.attest(request("web-1", cp.challenge()[0]), None)
+    assert cp.status_of("web-1") is Status.ATTESTED
+
+
+def body(req: AttestRequest) -> dict[str, object]:
+    return {
+        "workload": req.workload,
+        "tee": req.tee,
+        "evidence": base64.b64encode(req.evidence).decode(),
+        "csr": req.csr_pem.decode(),
+        "nonce": base64.b64encode(req.nonce).decode(),
+    }
+
+
+async def test_every_offered_nonce_refusal_is_answered_and_counted_by_its_reason(
+    tmp_path: Path,
+) -> None:
+    """Over HTTP: a replayed renewal, another workload's offered nonce, a forged one and an
+    expired one each get 400 with their own reason, counted per endpoint; none spends the
+    nonce its workload holds."""
+    clock = Clock(NOW)
+    p = plane(tmp_path, clock)
+    async with TestClient(TestServer(build_app(p.cp, p.metrics), host="127.0.0.1")) as client:
+
+        async def post(path: str, req: AttestRequest) -> tuple[int, dict[str, str]]:
+            resp = await client.post(path, json=body(req))
+            return resp.status, await resp.json()
+
+        status, first = await post("/v1/attest", request("web-1", p.cp.challenge()[0]))
+        assert status == 200
+        offered = base64.b64decode(first["next_nonce"])
+        status, _ = await post("/v1/attest", request("web-2", p.cp.challenge()[0]))
+        assert status == 200
+        stolen = request("web-2", offered)  # web-2 presents web-1's nonce
+        assert await post("/v1/renew", stolen) == (400, {
+            "error": "nonce_not_offered", "detail": ANY_DETAIL,
+        })  # fmt: skip
+        renewal = request("web-1", offered)
+        status, second = await post("/v1/renew", renewal)
+        assert status == 200  # web-1's nonce was not spent by web-2's attempt
+        status, replayed = await post("/v1/renew", renewal)  # the same request again
+        assert (status, replayed["error"]) == (400, "nonce_not_offered")
+        forged = bytearray(base64.b64decode(second["next_nonce"]))
+        forged[1] ^= 1
+        status, refused = await post("/v1/renew", request("web-1", bytes(forged)))
+        assert (status, refused["error"]) == (400, "nonce_unknown")
+        clock.now = datetime.fromisoformat(second["next_nonce_expires_at"])
+        late = request("web-1", base64.b64decode(second["next_nonce"]))
+        status, refused = await post("/v1/renew", late)
+        assert (status, refused["error"]) == (400, "nonce_expired")
+    assert p.rejections("renew", "nonce_not_offered") == 2
+    assert p.rejections("renew", "nonce_unknown") == 1
+    assert p.rejections("renew", "nonce_expired") == 1
