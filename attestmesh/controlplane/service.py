@@ -590,7 +590,13 @@ class ControlPlane:
                 self._crl_dirty = False
                 ca, builds, now = self._ca, self._crl_builds, self._clock()
                 revoked = [(r.serial, r.revoked_at) for r in self._state.revocations]
-                crl = await self._off_loop(ca.crl_pem, revoked, now, CRL_VALIDITY)
+                try:
+                    crl = await self._off_loop(ca.crl_pem, revoked, now, CRL_VALIDITY)
+                except Exception:  # (an HSM, say): the next interval signs again, so a
+                    # superseded certificate is not left accepted until the next revocation
+                    log.exception("re-signing the CRL set failed; retrying in %s", CRL_COALESCE)
+                    self._crl_dirty = True
+                    continue
                 if self._ca is not ca or self._crl_builds != builds:
                     # rotated, or a newer set was built on the loop (or delivered by the CRL
                     # source) meanwhile: that one (or the next round, if revocations followed
@@ -601,7 +607,7 @@ class ControlPlane:
                 self._trust = TrustMaterial(ca.bundle_pem, crl)
                 self._republish()
         except Exception:
-            log.exception("re-signing the CRL set failed; the next revocation retries")
+            log.exception("announcing the re-signed CRL set failed; the next revocation retries")
             self._crl_dirty = False
         finally:
             self._crl_task = None
