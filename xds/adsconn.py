@@ -67,6 +67,8 @@ UNAVAILABLE = 14
 Report = Callable[[str], None]
 """``report(reason)``: a hostile or broken input was refused (a bounded metric label)."""
 
+_PATH_SHOWN = 96  # bytes of an unknown method's path repeated in its grpc-message
+
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -260,10 +262,17 @@ class AdsConnection(asyncio.Protocol):
         return False
 
     def pause_writing(self) -> None:
+        # the peer does not read: read nothing more from it either, or what it sends that
+        # is answered (PINGs, SETTINGS, refused streams) would pile up in the write buffer
+        # until the write timeout
         self._paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
         self._wake_drained()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -391,7 +400,11 @@ class AdsConnection(asyncio.Protocol):
         elif path == DELTA_PATH:
             call = _Call(stream_id, delta=True)
         else:
-            self._trailers_only(stream_id, UNIMPLEMENTED, f"method not found: {path!r}")
+            # the path is the peer's: a few bytes of HPACK can name a 4 KB one, so no echo
+            # of it grows the answer beyond what a real method name needs
+            shown = path if path is None or len(path) <= _PATH_SHOWN else path[:_PATH_SHOWN]
+            more = "..." if path is not None and len(path) > _PATH_SHOWN else ""
+            self._trailers_only(stream_id, UNIMPLEMENTED, f"method not found: {shown!r}{more}")
             return
         self._calls[stream_id] = call
         loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
 from pydantic.warnings import PydanticDeprecatedSince212
 
@@ -468,3 +469,40 @@ async def test_a_stalled_tls_handshake_is_closed_and_counted(tmp_path: Path) -> 
         writer.close()
         assert p.refused == ["handshake_timeout"]
         await still_served(good, sid)
+
+
+async def test_unknown_methods_are_answered_briefly_and_a_burst_of_them_is_a_flood(
+    tmp_path: Path,
+) -> None:
+    """A 3 KB :path costs the client one byte of HPACK per stream once indexed; the answer
+    must not repeat it (it did: ~3 KB of grpc-message per 13-byte HEADERS frame), and streams
+    opened only to be refused are budgeted like other control frames."""
+    async with plane(tmp_path) as p:
+        good, good_sid = await healthy_stream(p)
+        c = await connect(p)
+        long = f"/{ADS_SERVICE}/" + "x" * 3000
+        one = c.call(long)
+        status = await c.until(lambda: c.status(one))
+        assert status[b"grpc-status"] == b"12"
+        assert len(status[b"grpc-message"]) < 200, len(status[b"grpc-message"])
+
+        bad = await connect(p, start=False)
+        bad.h2_failed = RuntimeError("raw client")
+        enc = hpack.Encoder()
+        fields = [
+            (":method", "POST"), (":scheme", "https"), (":path", long), (":authority", "cp"),
+            ("content-type", "application/grpc"),
+        ]  # fmt: skip
+        burst = b"".join(
+            struct.pack(">I", len(block := enc.encode(fields)))[1:]
+            + b"\x01\x05"  # HEADERS, END_STREAM | END_HEADERS
+            + struct.pack(">I", sid)
+            + block
+            for sid in range(1, 6000, 2)
+        )
+        bad.raw(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + burst)
+        await asyncio.wait_for(bad.lost.wait(), 10)
+        assert bad.goaway() == 11
+        assert p.refused == ["flood"]
+        assert len(bad.raw_in) < 400_000, len(bad.raw_in)  # before: ~9 MB for 3,000 streams
+        await still_served(good, good_sid)
