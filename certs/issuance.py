@@ -75,6 +75,11 @@ class _Sealed:
     __slots__ = ()
     _made_by: ClassVar[str] = ""
 
+    def __init_subclass__(cls) -> None:  # Verified and Admission only: a subclass could
+        super().__init_subclass__()  # override __new__ and the properties
+        if cls.__module__ != __name__ or _Sealed not in cls.__bases__:
+            raise TypeError(f"{cls.__name__}: the sealed types of certs.issuance are final")
+
     def __new__(cls, seal: object, *args: object) -> Self:
         if seal is not _SEAL:
             raise TypeError(f"{cls.__name__} comes from certs.issuance.{cls._made_by} only")

@@ -41,6 +41,8 @@ def issue(
 ) -> Leaf:
     """Sign the admitted CSR's key for ``spiffe_id`` with the CA's signing intermediate, for the
     admitting policy's certificate TTL (capped at the intermediate's notAfter)."""
+    if not isinstance(admission, Admission):  # a look-alike passes duck typing, not this
+        raise TypeError(f"issue takes an Admission (certs.issuance.decide), not {admission!r}")
     claims = admission.claims
     issuer = ca.intermediate
     cert = build_leaf(

@@ -16,6 +16,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from certs.binding import expected_report_data
+from certs.ca import CertificateAuthority, issue
 from certs.evidence.claims import Tee
 from certs.evidence.sim import SimVerifier, build_report
 from certs.issuance import Admission, AttestRequest, Verified, decide, verify_request
@@ -68,3 +69,27 @@ def test_copies_are_the_same_decision_and_pickles_are_refused() -> None:
             pickle.dumps(obj)
         with pytest.raises(TypeError):
             dataclasses.replace(obj)  # type: ignore[type-var]
+
+
+def test_no_subclass_and_no_look_alike_reaches_the_ca(tmp_path: Any) -> None:
+    """A subclass could override __new__ and the properties; a look-alike with the same
+    attributes is duck-typed Python: the CA's leaf path takes neither."""
+    with pytest.raises(TypeError):
+
+        class Forged(Admission):  # type: ignore[misc]
+            pass
+
+    with pytest.raises(TypeError):
+
+        class AlsoForged(Verified):  # type: ignore[misc]
+            pass
+
+    _, admission = admitted()
+    look_alike = type("LookAlike", (), {k: getattr(admission, k) for k in (
+        "admitted", "csr", "nonce", "claims", "policy", "certificate_ttl",
+    )})()  # fmt: skip
+    ca = CertificateAuthority.load_or_create(tmp_path, "spiffe://td.test", NOW)
+    with pytest.raises(TypeError):
+        issue(look_alike, ca, spiffe_id="spiffe://td.test/ns/a/sa/b", serial=7, now=NOW)
+    leaf = issue(admission, ca, spiffe_id="spiffe://td.test/ns/a/sa/b", serial=7, now=NOW)
+    assert leaf.serial == 7
