@@ -89,7 +89,8 @@ class H2Limits:
     max_streams: int = 16  # SETTINGS_MAX_CONCURRENT_STREAMS
     max_header_list_size: int = 16_384  # SETTINGS_MAX_HEADER_LIST_SIZE, and the header block cap
     window: int = DEFAULT_WINDOW  # our initial stream and connection receive windows
-    max_message: int = 4 * 1024 * 1024  # largest gRPC message a client may send
+    max_message: int = 4 * 1024 * 1024  # largest gRPC message a client may send (and what
+    # all streams of a connection may hold of incomplete ones together)
     control_budget: int = 1_000  # non-data frames allowed per budget_seconds, or between
     budget_seconds: float = 10.0  # two received gRPC messages
 
@@ -190,6 +191,7 @@ class H2Server:
         "_budget",
         "_budget_since",
         "_buf",
+        "_buffered",
         "_cont",
         "_decoder",
         "_goaway_sent",
@@ -212,6 +214,7 @@ class H2Server:
         self._handler = handler
         self._limits = limits
         self._buf = bytearray()
+        self._buffered = 0  # bytes of incomplete gRPC messages held over all streams
         self._preface = True  # still expecting the client preface
         self._settings_seen = False
         self._out: list[bytes] = []
@@ -369,7 +372,9 @@ class H2Server:
             self._handler.on_reset(stream_id, int(code))
 
     def _drop(self, stream_id: int) -> None:
-        self.streams.pop(stream_id, None)
+        st = self.streams.pop(stream_id, None)
+        if st is not None and st.buf:
+            self._buffered -= len(st.buf)
 
     def _flush_pending(self) -> None:
         for sid, st in list(self.streams.items()):
@@ -395,6 +400,7 @@ class H2Server:
     def close_all(self) -> None:
         """The connection is gone: every open stream hears ``on_reset`` (CANCEL)."""
         streams, self.streams = self.streams, {}
+        self._buffered = 0
         for sid in streams:
             self._handler.on_reset(sid, int(ErrorCode.CANCEL))
 
@@ -480,7 +486,8 @@ class H2Server:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM payload is not 4 bytes")
             if sid > self._highest:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
-            if self.streams.pop(sid, None) is not None:
+            if sid in self.streams:
+                self._drop(sid)
                 self._handler.on_reset(sid, _HDR.unpack(payload)[0])
         elif kind == PRIORITY:
             self._spend()
@@ -680,7 +687,13 @@ class H2Server:
             self._recv_consumed = 0
 
     def _messages(self, sid: int, st: _Stream, data: bytes) -> None:
+        if self._buffered + len(data) > self._limits.max_message + 5:
+            # the windows are given back as bytes arrive, so they bound nothing here: what
+            # all streams hold of incomplete messages is bounded by one message instead
+            self.reset(sid, ErrorCode.ENHANCE_YOUR_CALM)
+            return
         buf = st.buf
+        self._buffered += len(data)
         if buf is None:
             buf = st.buf = bytearray(data)
         else:
@@ -698,6 +711,7 @@ class H2Server:
                 break
             message = bytes(buf[5 : 5 + n])
             del buf[: 5 + n]
+            self._buffered -= 5 + n
             if self._budget < self._limits.control_budget:
                 self._budget += 1
             self._handler.on_message(sid, message)
