@@ -662,9 +662,12 @@ class ControlPlane:
         now = self._clock()
         w = self._state.get(req.workload)
         await self._identity.check(w.registration, token)
+        # its budget first: every nonce consumed stays in the mesh's one replay set until it
+        # expires, so a workload looping on fresh challenges (a valid or stolen token) must
+        # be stopped before that fills (nonce_capacity for every workload)
+        self._limiter.take(req.workload, now)
         self._consume_nonce(req.workload, req.nonce, now)
         ensure_may_issue(self._state, req.workload)
-        self._limiter.take(req.workload, now)
         if self._replication is not None and not self._replication.in_contact():
             raise StoreUnavailableError(  # fail closed: another replica may have decided
                 "store_unavailable", "this replica is cut off from the database; retry"

@@ -250,3 +250,27 @@ async def test_every_offered_nonce_refusal_is_answered_and_counted_by_its_reason
     assert p.rejections("renew", "nonce_not_offered") == 2
     assert p.rejections("renew", "nonce_unknown") == 1
     assert p.rejections("renew", "nonce_expired") == 1
+
+
+async def test_one_workload_cannot_fill_the_replay_set_past_its_attestation_budget(
+    tmp_path: Path,
+) -> None:
+    """Challenges are free and stateless; each attest request puts its nonce in the replay set
+    (bounded, shared by the mesh: when full every workload gets nonce_capacity). A workload
+    looping on a valid (or stolen) token must be stopped by its own budget before its nonces
+    are remembered, or it refuses attestations mesh-wide."""
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    cp._limiter = AttestationLimiter(burst=3)
+    cp._nonces = NonceBook(max_consumed=10)
+    reasons = []
+    for _ in range(30):
+        garbage = AttestRequest("web-2", "sim", b"junk", request("web-2", bytes(32)).csr_pem,
+                                cp.challenge()[0])  # fmt: skip
+        with pytest.raises(Exception) as info:
+            await cp.attest(garbage, None)
+        reasons.append(getattr(info.value, "reason", ""))
+    assert reasons.count("too_many_attestations") == 27
+    assert cp._nonces.consumed <= 3
+    issued = await cp.attest(request("web-1", cp.challenge()[0]), None)  # not nonce_capacity
+    assert cp.status_of("web-1") is Status.ATTESTED and issued.serial
