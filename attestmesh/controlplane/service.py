@@ -290,8 +290,7 @@ class ControlPlane:
         self._state = new
         for name in changed:
             self._track_deadline(name)
-        for listener in self._listeners:
-            listener(new, changed)
+        self._notify(self._listeners, new, changed)
         if added:
             if any(_revokes_now(new, r) for r in added):  # with this transition's announcement
                 self._trust = self._build_trust(self._clock())
@@ -437,10 +436,8 @@ class ControlPlane:
             self._track_deadline(name)
             if w is None or w.status is not Status.ATTESTED:  # quarantined, released or gone
                 self._offered.pop(name, None)  # on another replica: as if done here
-        for listener in self._listeners:
-            listener(self._state, tuple(rows))
-        for adopted in self._adoption_listeners:
-            adopted(old, self._state, tuple(rows))
+        self._notify(self._listeners, self._state, tuple(rows))
+        self._notify(self._adoption_listeners, old, self._state, tuple(rows))
         self._metrics.quarantined.set(self._quarantined)
         self._adopted.update((n, (self._gen, w)) for n, w in rows.items())
         announce = _Announcement(self._announced, self._trust, frozenset(rows), (), -1)
@@ -876,6 +873,16 @@ class ControlPlane:
         if events:
             self._apply(state, events, (name,))
         return bool(events)
+
+    @staticmethod
+    def _notify(listeners: Iterable[Callable[..., None]], *args: object) -> None:
+        """Call each listener; one that raises is logged and the transition goes on (it is
+        decided already: persisted and announced whatever a listener does)."""
+        for listener in listeners:
+            try:
+                listener(*args)
+            except Exception:
+                log.exception("a state listener (%r) failed; the transition stands", listener)
 
     def add_state_listener(self, listener: Callable[[MeshState, Collection[str]], None]) -> None:
         """Called with (new state, changed workloads) on every transition, on the loop."""

@@ -274,3 +274,32 @@ async def test_one_workload_cannot_fill_the_replay_set_past_its_attestation_budg
     assert cp._nonces.consumed <= 3
     issued = await cp.attest(request("web-1", cp.challenge()[0]), None)  # not nonce_capacity
     assert cp.status_of("web-1") is Status.ATTESTED and issued.serial
+
+
+async def test_a_failing_listener_does_not_stop_a_decision_or_an_adoption(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listener (the TCB index, the Kubernetes adapter) that raises is logged; the
+    quarantine it listened to is still persisted and announced, here and when adopted."""
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    await cp.attest(request("web-1", cp.challenge()[0]), None)
+    await cp.attest(request("web-2", cp.challenge()[0]), None)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("listener bug")
+
+    cp.add_state_listener(broken)
+    cp.add_adoption_listener(broken)
+    assert cp.quarantine("web-1", Trigger.OPERATOR, "drill")
+    await cp.flushed()
+    assert p.publisher.last_state.get("web-1").status is Status.QUARANTINED
+    assert p.store.load(cp.state.trust_domain).get("web-1").status is Status.QUARANTINED
+    mine = cp.state
+    elsewhere, _ = quarantine(mine, "web-2", Trigger.OPERATOR, "on replica b", NOW)
+    revoked = elsewhere.revocations[len(mine.revocations) :]
+    p.store.write(Batch({"web-2": elsewhere.get("web-2")}, frozenset(), revoked))
+    cp.adopt_rows({"web-2": elsewhere.get("web-2")}, revoked)
+    await asyncio.sleep(0)  # (an adoption is announced on the loop's next turn)
+    assert p.publisher.last_state.get("web-2").status is Status.QUARANTINED
+    assert "listener bug" in caplog.text
