@@ -977,7 +977,11 @@ class H2Service(Protocol):
 
 
 def _lean_h2_phase(app: Any, received: bool) -> tuple[_Phase, object]:
-    """Idle while no stream is open (``listen_phase``: (busy, key))."""
+    """Idle while no stream is open (``listen_phase``: (busy, key)); a body under way while
+    some stream holds part of a request (``listen_body``: since when, without a break)."""
+    since = app.listen_body()
+    if since is not None:
+        return _Phase.BODY, ("body", since)
     busy, key = app.listen_phase()
     return (_Phase.BUSY if busy else _Phase.IDLE), key
 

@@ -230,6 +230,13 @@ class AdsConnection(asyncio.Protocol):
         busy = bool(h2.streams)
         return busy, (h2.highest_stream_id, busy)
 
+    def listen_body(self) -> float | None:
+        """Since when some stream has held an incomplete request without a break (None: no
+        stream does): a listener ends the connection once that outlasts its body timeout,
+        or a peer could hold a message's worth of memory per connection for ever."""
+        h2 = self._h2
+        return None if h2 is None else h2.incomplete_since
+
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -192,12 +192,14 @@ class H2Server:
         "_budget_since",
         "_buf",
         "_buffered",
+        "_buffered_since",
         "_cont",
         "_decoder",
         "_goaway_sent",
         "_handler",
         "_highest",
         "_limits",
+        "_now",
         "_out",
         "_preface",
         "_recv_consumed",
@@ -215,6 +217,8 @@ class H2Server:
         self._limits = limits
         self._buf = bytearray()
         self._buffered = 0  # bytes of incomplete gRPC messages held over all streams
+        self._buffered_since = 0.0  # since when (by receive's clock) _buffered has been > 0
+        self._now = 0.0
         self._preface = True  # still expecting the client preface
         self._settings_seen = False
         self._out: list[bytes] = []
@@ -256,6 +260,12 @@ class H2Server:
     @property
     def highest_stream_id(self) -> int:
         return self._highest
+
+    @property
+    def incomplete_since(self) -> float | None:
+        """Since when (by ``receive``'s clock) some stream has held part of a gRPC message
+        without a break; None if none does (a listener's body timeout runs from it)."""
+        return self._buffered_since if self._buffered > 0 else None
 
     @property
     def goaway_sent(self) -> bool:
@@ -410,6 +420,7 @@ class H2Server:
         """Process bytes from the peer (``now``: a monotonic clock, for the control-frame
         budget). Raises :class:`H2Error` on a connection error (GOAWAY is then queued: send
         it and close)."""
+        self._now = now
         if now - self._budget_since >= self._limits.budget_seconds:
             self._budget_since = now
             self._budget = self._limits.control_budget
@@ -693,6 +704,8 @@ class H2Server:
             self.reset(sid, ErrorCode.ENHANCE_YOUR_CALM)
             return
         buf = st.buf
+        if not self._buffered:
+            self._buffered_since = self._now
         self._buffered += len(data)
         if buf is None:
             buf = st.buf = bytearray(data)

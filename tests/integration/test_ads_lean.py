@@ -506,3 +506,21 @@ async def test_unknown_methods_are_answered_briefly_and_a_burst_of_them_is_a_flo
         assert p.refused == ["flood"]
         assert len(bad.raw_in) < 400_000, len(bad.raw_in)  # before: ~9 MB for 3,000 streams
         await still_served(good, good_sid)
+
+
+async def test_a_request_left_incomplete_is_closed_by_the_body_timeout(tmp_path: Path) -> None:
+    """A stream that starts a request and never finishes it held its bytes (up to a message,
+    4 MiB) for as long as the connection lived; now the listener's body timeout ends it."""
+    async with plane(tmp_path, body_timeout=0.5) as p:
+        good, good_sid = await healthy_stream(p)
+        c = await connect(p)
+        sid = c.call(SOTW)
+        c.send(sid, sotw())
+        await c.until(lambda: c.messages(sid))  # a live ADS stream (BUSY: no timeout)
+        c.conn.send_data(sid, b"\x00" + struct.pack(">I", 1000) + b"x" * 10)  # and then stalls
+        c.flush()
+        await asyncio.wait_for(c.lost.wait(), 3)
+        assert p.refused == ["body_timeout"]
+        await asyncio.sleep(0.7)  # the healthy stream, its requests complete, is left alone
+        await still_served(good, good_sid)
+        assert p.refused == ["body_timeout"]
