@@ -11,8 +11,9 @@ signed for a key or claims that did not come this way.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import ClassVar, NoReturn, Self, SupportsIndex, final
 
 from cryptography import x509
@@ -192,7 +193,18 @@ def verify_request(
             "report data does not bind this nonce and the CSR's public key",
             tee,
         )
-    return Verified(_SEAL, csr, claims, req.nonce)
+    return Verified(_SEAL, csr, _read_only(claims), req.nonce)
+
+
+def _read_only(claims: Claims) -> Claims:
+    """The claims with read-only mappings: a sealed value's claims cannot be changed between
+    verification, appraisal and the leaf either (``claims.measurements[k] = v``)."""
+    return replace(
+        claims,
+        measurements=MappingProxyType(dict(claims.measurements)),
+        tcb=MappingProxyType(dict(claims.tcb)),
+        details=MappingProxyType(dict(claims.details)),
+    )
 
 
 def decide(verified: Verified, governing: Sequence[AttestationPolicy], now: datetime) -> Admission:

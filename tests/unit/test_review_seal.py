@@ -93,3 +93,11 @@ def test_no_subclass_and_no_look_alike_reaches_the_ca(tmp_path: Any) -> None:
         issue(look_alike, ca, spiffe_id="spiffe://td.test/ns/a/sa/b", serial=7, now=NOW)
     leaf = issue(admission, ca, spiffe_id="spiffe://td.test/ns/a/sa/b", serial=7, now=NOW)
     assert leaf.serial == 7
+
+
+def test_the_sealed_claims_cannot_be_changed_through_their_mappings() -> None:
+    verified, admission = admitted()
+    for mapping in (admission.claims.measurements, admission.claims.tcb, verified.claims.details):
+        with pytest.raises(TypeError):
+            mapping["measurement"] = "00" * 32  # type: ignore[index]
+    assert admission.claims.measurements == {"measurement": MEASUREMENT.hex()}
