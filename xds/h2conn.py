@@ -20,13 +20,15 @@ for each stream event and queues the bytes to send, which the adapter takes with
 A connection error (:class:`H2Error`) queues GOAWAY with its code; the adapter sends it and
 closes the connection. A stream error resets only that stream. Frames that cost the server
 work but carry no application data (PING, SETTINGS, PRIORITY, RST_STREAM, empty DATA or
-CONTINUATION, unknown types, refused streams) and every new stream are budgeted: more than
-``control_budget`` of them within ``budget_seconds`` (by the clock the caller passes to
-``receive``) is a flood (ENHANCE_YOUR_CALM). Each gRPC message received gives one back (so a
-stream that opens and sends its request costs nothing, and churn of streams that do is no
-flood), never more than ``control_budget``: a message no longer buys a whole new budget, so
-PINGs between tiny messages, or streams opened only to be refused (each answered with a
-response), stay bounded. A quiet stream's keepalive PINGs never are a flood.
+CONTINUATION, unknown types, refused streams, WINDOW_UPDATE) and every new stream are
+budgeted: more than ``control_budget`` of them within ``budget_seconds`` (by the clock the
+caller passes to ``receive``) is a flood (ENHANCE_YOUR_CALM). Each gRPC message received
+gives one back (so a stream that opens and sends its request costs nothing, and churn of
+streams that do is no flood), never more than ``control_budget``: a message does not buy a
+whole new budget, so PINGs between tiny messages, or streams opened only to be refused (each
+answered with a response), stay bounded. Each DATA frame sent gives two back (the
+WINDOW_UPDATEs an honest client sends for what it receives). A quiet stream's keepalive
+PINGs never are a flood.
 """
 
 from __future__ import annotations
@@ -318,6 +320,7 @@ class H2Server:
             )
             self._out.append(message)
             self._send_window -= total
+            self._refund_updates()
             st.send_window -= total
             return True
         data = prefix + message
@@ -346,6 +349,7 @@ class H2Server:
                 out.append(data)
                 data = b""
             self._send_window -= n
+            self._refund_updates()
             st.send_window -= n
         return data
 
@@ -460,6 +464,12 @@ class H2Server:
             if pos:
                 del buf[:pos]
 
+    def _refund_updates(self) -> None:
+        """A DATA frame sent earns the peer the two WINDOW_UPDATEs (stream, connection) an
+        honest client may send for it; only window updates nothing was sent for add up."""
+        budget = self._budget + 2
+        self._budget = min(budget, self._limits.control_budget)
+
     def _spend(self) -> None:
         self._budget -= 1
         if self._budget < 0:
@@ -553,6 +563,7 @@ class H2Server:
         if len(payload) != 4:
             raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload is not 4 bytes")
         inc = _HDR.unpack(payload)[0] & 0x7FFFFFFF
+        self._spend()  # given back by the DATA frames we send (see _refund_updates)
         if sid == 0:
             if inc == 0:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
@@ -565,7 +576,6 @@ class H2Server:
             raise H2Error(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
         st = self.streams.get(sid)
         if st is None:
-            self._spend()
             return  # a closed stream: allowed, ignored
         if inc == 0:
             self.reset(sid, ErrorCode.PROTOCOL_ERROR)

@@ -4,6 +4,8 @@ empty CONTINUATION costs one. Honest churn (open, request, end) and keepalives s
 
 from __future__ import annotations
 
+import struct
+
 import hpack
 import pytest
 
@@ -15,6 +17,7 @@ from tests.unit.test_h2conn import (
     fresh,
     grpc,
     opened,
+    parse_frames,
 )
 from xds.h2conn import PREFACE, ErrorCode, H2Error, H2Limits, H2Server, encode_trailers
 
@@ -88,3 +91,28 @@ def test_the_budget_never_grows_beyond_its_size() -> None:
     server.receive(frame(0, 0, 1, grpc(b"m")) * 1000)  # 1000 messages bank nothing
     with pytest.raises(H2Error):
         server.receive(PING * 51)
+
+
+def test_a_window_update_flood_is_refused() -> None:
+    server, _ = fresh(H2Limits(control_budget=50))
+    opened(server)
+    one = struct.pack(">I", 1)
+    data = frame(8, 0, 0, one) * 30 + frame(8, 0, 1, one) * 30  # connection, then stream
+    assert connection_error(server, data) is ErrorCode.ENHANCE_YOUR_CALM
+
+
+def test_window_updates_for_data_received_are_no_flood() -> None:
+    """A client answering every DATA frame with a stream and a connection WINDOW_UPDATE while
+    the server sends 200 frames, with a budget of 20."""
+    server, _ = fresh(H2Limits(control_budget=20))
+    opened(server)
+    server.send_headers(1)
+    server.take_output()
+    for _ in range(200):
+        assert server.send_message(1, b"r" * 1000)
+        sent = [f for f in parse_frames(server.take_output()) if f[0] == 0]
+        assert len(sent) == 1 and len(sent[0][3]) == 1005
+        update = struct.pack(">I", 1005)
+        server.receive(frame(8, 0, 1, update) + frame(8, 0, 0, update))
+    assert not server.goaway_sent
+    assert server.pending(1) == 0
