@@ -642,6 +642,9 @@ class H2Server:
         headers = self._decode(block)  # always: the decoder's table must follow the peer's
         st = self.streams.get(sid)
         if st is not None:  # trailers from the client
+            if st.closed_remote:  # it has already ended its side (RFC 9113 5.1)
+                self.reset(sid, ErrorCode.STREAM_CLOSED)
+                return
             if not end_stream:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "a second HEADERS without END_STREAM")
             self._remote_end(sid, st)
