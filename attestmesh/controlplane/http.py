@@ -74,7 +74,7 @@ def _http_status(exc: AttestmeshError) -> int:
         return 403
     if isinstance(exc, CollateralError):
         return 503  # a vendor collateral service is unavailable: retry later
-    if exc.reason == "not_attested":
+    if exc.reason in ("not_attested", "certificate_revoked"):
         return 409
     return 400
 

@@ -731,8 +731,15 @@ class ControlPlane:
                 ) from None
             # Quarantined (or gone) while the answer waited for the store: the quarantine
             # revoked this certificate; neither it nor a nonce that would outlive the
-            # quarantine is handed out.
-            ensure_may_issue(self._state, req.workload)
+            # quarantine is handed out. Nor a certificate revoked otherwise meanwhile (a
+            # quarantine and a release, superseded by later attestations).
+            current = ensure_may_issue(self._state, req.workload)
+            if all(c.serial != serial for c in current.certificates):
+                raise AttestmeshError(
+                    "certificate_revoked",
+                    f"{req.workload}'s new certificate was revoked while it was stored; attest"
+                    " again",
+                )
         self._metrics.attestations.labels(admitted.claims.tee.value, "admitted", "ok").inc()
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)

@@ -14,8 +14,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane import AttestationLimiter
-from attestmesh.controlplane.http import build_app
+from attestmesh.controlplane.http import build_app, public_error
 from certs.binding import expected_report_data
+from certs.errors import AttestmeshError
 from certs.evidence import sim
 from certs.issuance import AttestRequest, EvidenceRejected
 from certs.nonces import NonceBook, NonceError
@@ -303,3 +304,26 @@ async def test_a_failing_listener_does_not_stop_a_decision_or_an_adoption(
     await asyncio.sleep(0)  # (an adoption is announced on the loop's next turn)
     assert p.publisher.last_state.get("web-2").status is Status.QUARANTINED
     assert "listener bug" in caplog.text
+
+
+async def test_a_certificate_revoked_while_its_answer_waits_is_not_handed_out(
+    tmp_path: Path,
+) -> None:
+    """Quarantined and released while the answer waits for the store: the workload may attest
+    again, but the certificate it waited for is revoked; it is refused (409), not delivered."""
+    p = plane(tmp_path, Clock(NOW))
+    cp = p.cp
+    store = HeldStore(p.store)
+    cp._store = store
+    task = asyncio.ensure_future(cp.attest(request("web-1", cp.challenge()[0]), None))
+    while not store.held:
+        await asyncio.sleep(0.01)
+    assert cp.quarantine("web-1", Trigger.OPERATOR, "drill")
+    assert cp.release("web-1")
+    store.release()
+    with pytest.raises(AttestmeshError) as info:
+        await task
+    assert info.value.reason == "certificate_revoked"
+    assert public_error(info.value)[0] == 409
+    assert "web-1" not in cp._offered
+    store.release()
