@@ -19,8 +19,9 @@ for each stream event and queues the bytes to send, which the adapter takes with
 
 A connection error (:class:`H2Error`) queues GOAWAY with its code; the adapter sends it and
 closes the connection. A stream error resets only that stream. Frames that cost the server
-work but carry no application data (PING, SETTINGS, PRIORITY, RST_STREAM, empty DATA or
-CONTINUATION, unknown types, refused streams, WINDOW_UPDATE) and every new stream are
+work but carry no application data (PING, SETTINGS, PRIORITY, RST_STREAM, GOAWAY, empty
+CONTINUATION, DATA empty or under 1 KiB that completes no message, unknown types, refused
+streams, WINDOW_UPDATE) and every new stream are
 budgeted: more than ``control_budget`` of them within ``budget_seconds`` (by the clock the
 caller passes to ``receive``) is a flood (ENHANCE_YOUR_CALM). Each gRPC message received
 gives one back (so a stream that opens and sends its request costs nothing, and churn of
@@ -57,6 +58,7 @@ DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME = 16_384
 MAX_FRAME = 2**24 - 1
 
+_TINY = 1_024  # a DATA frame shorter than this that completes no gRPC message is budgeted
 _HDR = struct.Struct(">I")  # 32-bit fields (the 24-bit length is read with 1 byte shifted in)
 _SETTING = struct.Struct(">HI")
 
@@ -517,6 +519,7 @@ class H2Server:
             if len(payload) != 5:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY payload is not 5 bytes")
         elif kind == GOAWAY:
+            self._spend()
             if sid != 0:
                 raise H2Error(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
             if len(payload) < 8:
@@ -699,7 +702,10 @@ class H2Server:
         if not data and not flags & END_STREAM:
             self._spend()
         if data:
-            self._messages(sid, st, data)
+            completed = self._messages(sid, st, data)
+            sliver = not completed and len(data) < _TINY and not flags & END_STREAM
+            if sliver and sid in self.streams:
+                self._spend()  # a sliver of a message: 1-byte DATA frames are work only
         if flags & END_STREAM and sid in self.streams:
             self._remote_end(sid, st)
 
@@ -710,12 +716,13 @@ class H2Server:
             self._recv_window += self._recv_consumed
             self._recv_consumed = 0
 
-    def _messages(self, sid: int, st: _Stream, data: bytes) -> None:
+    def _messages(self, sid: int, st: _Stream, data: bytes) -> bool:
+        """Add ``data`` to the stream's message; True if it completed one (or more)."""
         if self._buffered + len(data) > self._limits.max_message + 5:
             # the windows are given back as bytes arrive, so they bound nothing here: what
             # all streams hold of incomplete messages is bounded by one message instead
             self.reset(sid, ErrorCode.ENHANCE_YOUR_CALM)
-            return
+            return False
         buf = st.buf
         if not self._buffered:
             self._buffered_since = self._now
@@ -725,14 +732,15 @@ class H2Server:
         else:
             buf += data
         limit = self._limits.max_message
+        done = False
         while len(buf) >= 5:
             if buf[0] != 0:
                 self.reset(sid, ErrorCode.PROTOCOL_ERROR)  # compressed: we offered none
-                return
+                return done
             n = _HDR.unpack_from(buf, 1)[0]
             if n > limit:
                 self.reset(sid, ErrorCode.ENHANCE_YOUR_CALM)  # message too large
-                return
+                return done
             if len(buf) < 5 + n:
                 break
             message = bytes(buf[5 : 5 + n])
@@ -740,11 +748,13 @@ class H2Server:
             self._buffered -= 5 + n
             if self._budget < self._limits.control_budget:
                 self._budget += 1
+            done = True
             self._handler.on_message(sid, message)
             if sid not in self.streams:
-                return
+                return done
         if not buf:
             st.buf = None
+        return done
 
 
 def encode_trailers(status: int, message: str = "", *, headers: bool = False) -> bytes:

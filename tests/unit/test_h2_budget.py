@@ -116,3 +116,27 @@ def test_window_updates_for_data_received_are_no_flood() -> None:
         server.receive(frame(8, 0, 1, update) + frame(8, 0, 0, update))
     assert not server.goaway_sent
     assert server.pending(1) == 0
+
+
+def test_a_message_dripped_in_one_byte_frames_is_a_flood() -> None:
+    server, rec = fresh(H2Limits(control_budget=50))
+    opened(server)
+    body = grpc(b"m" * 200)
+    data = b"".join(frame(0, 0, 1, body[i : i + 1]) for i in range(len(body)))
+    assert connection_error(server, data) is ErrorCode.ENHANCE_YOUR_CALM
+    assert "message" not in rec.kinds()
+
+
+def test_messages_in_a_few_frames_each_are_no_flood() -> None:
+    server, rec = fresh(H2Limits(control_budget=50))
+    opened(server)
+    body = grpc(b"m" * 3000)  # 3 frames each: two of 1,100 bytes, then the end
+    one = b"".join(frame(0, 0, 1, body[i : i + 1100]) for i in range(0, len(body), 1100))
+    server.receive(one * 200)
+    assert rec.kinds().count("message") == 200
+
+
+def test_goaway_frames_are_budgeted() -> None:
+    server, _ = fresh(H2Limits(control_budget=50))
+    data = frame(7, 0, 0, struct.pack(">II", 0, 0)) * 60
+    assert connection_error(server, data) is ErrorCode.ENHANCE_YOUR_CALM
