@@ -67,7 +67,7 @@ UNAVAILABLE = 14
 Report = Callable[[str], None]
 """``report(reason)``: a hostile or broken input was refused (a bounded metric label)."""
 
-_PATH_SHOWN = 96  # bytes of an unknown method's path repeated in its grpc-message
+_PATH_SHOWN = 96  # of an unknown method's path, or a refused node id, in a grpc-message
 
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
@@ -462,9 +462,14 @@ class AdsConnection(asyncio.Protocol):
             return
         authorize = ads.authorize
         if authorize is not None and not authorize(node, self._peer_identity()):
+            shown = node if len(node) <= _PATH_SHOWN else node[:_PATH_SHOWN] + "..."
             self._end(
-                sid, PERMISSION_DENIED, f"the client certificate does not identify node {node!r}"
+                sid, PERMISSION_DENIED, f"the client certificate does not identify node {shown!r}"
             )
+            # no new stream on this connection: it closes soon, and until then a client
+            # could otherwise have node after node authorized
+            if self._h2 is not None:
+                self._h2.goaway(ErrorCode.NO_ERROR)
             transport = self._transport
             if transport is not None:
                 asyncio.get_running_loop().call_later(REFUSED_CONNECTION_CLOSE_S, transport.close)
