@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 __all__ = [
-    "MAX_NAMES",
+    "MAX_FIELDS",
     "DeltaRequest",
     "ErrorDetail",
     "NodeRef",
@@ -24,9 +24,10 @@ __all__ = [
 ]
 
 
-MAX_NAMES = 100_000
-"""Most resource names (or initial versions) one request may carry: a 4 MiB message of empty
-names would otherwise be two million strings and seconds of the event loop."""
+MAX_FIELDS = 100_000
+"""Most fields one message (or nested message) may have, resource names and initial versions
+included: a 4 MiB message of empty fields would otherwise be two million of them, seconds of
+the event loop (and, as names, two million strings)."""
 
 
 class WireError(ValueError):
@@ -109,8 +110,13 @@ def _varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
 
 def _fields(buf: bytes, i: int, end: int) -> Iterator[tuple[int, int, int, int]]:
     """(field number, value or start, end (-1 for a varint), wire type) of each field, one at
-    a time (a list of them would cost ~100 bytes per 2-byte field of the message)."""
+    a time (a list of them would cost ~100 bytes per 2-byte field of the message); more than
+    :data:`MAX_FIELDS` is a :class:`WireError`."""
+    left = MAX_FIELDS
     while i < end:
+        if not left:
+            raise WireError(f"more than {MAX_FIELDS} fields in one message")
+        left -= 1
         key, i = _varint(buf, i, end)
         num, wt = key >> 3, key & 7
         if num == 0:
@@ -165,11 +171,6 @@ def _check(wt: int, want: int, num: int) -> None:
         raise WireError(f"field {num} has wire type {wt}, expected {want}")
 
 
-def _room(count: int) -> None:
-    if count >= MAX_NAMES:
-        raise WireError(f"more than {MAX_NAMES} resource names in one request")
-
-
 def decode_sotw(data: bytes) -> SotwRequest:
     req = SotwRequest()
     for num, a, b, wt in _fields(data, 0, len(data)):
@@ -181,7 +182,6 @@ def decode_sotw(data: bytes) -> SotwRequest:
             req.node = _node(data, a, b)
         elif num == 3:
             _check(wt, 2, num)
-            _room(len(req.resource_names))
             req.resource_names.append(_str(data, a, b))
         elif num == 4:
             _check(wt, 2, num)
@@ -197,7 +197,6 @@ def decode_sotw(data: bytes) -> SotwRequest:
 
 def decode_delta(data: bytes) -> DeltaRequest:
     req = DeltaRequest()
-    entries = 0  # initial_resource_versions entries read (a key may repeat)
     for num, a, b, wt in _fields(data, 0, len(data)):
         if num == 1:
             _check(wt, 2, num)
@@ -207,16 +206,12 @@ def decode_delta(data: bytes) -> DeltaRequest:
             req.type_url = _str(data, a, b)
         elif num == 3:
             _check(wt, 2, num)
-            _room(len(req.resource_names_subscribe))
             req.resource_names_subscribe.append(_str(data, a, b))
         elif num == 4:
             _check(wt, 2, num)
-            _room(len(req.resource_names_unsubscribe))
             req.resource_names_unsubscribe.append(_str(data, a, b))
         elif num == 5:
             _check(wt, 2, num)
-            _room(entries)
-            entries += 1
             key = value = ""
             for n2, a2, b2, wt2 in _fields(data, a, b):
                 if n2 == 1 and wt2 == 2:
