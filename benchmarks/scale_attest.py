@@ -57,7 +57,6 @@ class AttestWorker:
         # evidence is still made per request: it binds the server's fresh nonce.
         self.keys = [self._key() for _ in range(64)]
         self.next_key = itertools.cycle(self.keys)
-        self.offered: dict[str, str] = {}  # workload -> nonce offered with its last certificate
 
     @staticmethod
     def _key() -> tuple[bytes, str, bytes]:
@@ -87,14 +86,10 @@ class AttestWorker:
         """One attestation; ``fresh``: a new key (for certificates that are kept and used)."""
         spki, csr, key_pem = self._key() if fresh else next(self.next_key)
         headers = {"Authorization": f"Bearer {token}"}
-        offered = self.offered.pop(workload, None)  # the nonce offered with its last certificate
-        if offered is not None:
-            challenge = {"nonce": offered}
-        else:
-            async with session.post(self.url + "/v1/challenge", json={}, headers=headers) as r:
-                challenge = await r.json(content_type=None)
-                if r.status != 200:
-                    raise Refused("challenge", r.status, challenge)
+        async with session.post(self.url + "/v1/challenge", json={}, headers=headers) as r:
+            challenge = await r.json(content_type=None)
+            if r.status != 200:
+                raise Refused("challenge", r.status, challenge)
         nonce = base64.b64decode(challenge["nonce"])
         report = sim.build_report(
             self.platform, report_data=expected_report_data(nonce, spki), measurement=MEASUREMENT
@@ -111,8 +106,6 @@ class AttestWorker:
             data = await r.json(content_type=None)
             if r.status != 200:
                 raise Refused("attest", r.status, data)
-        if isinstance(data.get("next_nonce"), str):
-            self.offered[workload] = data["next_nonce"]
         return data, key_pem
 
     async def attest_all(self, cmd: dict[str, Any]) -> dict[str, Any]:

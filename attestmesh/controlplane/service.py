@@ -747,11 +747,15 @@ class ControlPlane:
 
     def _offer_nonce(self, issued: Issued, now: datetime) -> Issued:
         """Hand out the nonce for this workload's next attestation with its certificate (one
-        per workload, replacing any earlier one), valid until it must re-attest."""
+        per workload, replacing any earlier one). It lives no longer than a challenge's nonce:
+        evidence bound to it is as fresh as evidence bound to a challenge (a nonce valid until
+        the re-attestation deadline would let evidence made now be presented much later). An
+        agent that re-attests later asks for a challenge."""
         w = self._state.workloads.get(issued.workload)
         if issued.reattest_by <= now or w is None or w.status is not Status.ATTESTED:
             return issued
-        nonce, expires = self._nonces.offer(now, self._random, issued.reattest_by)
+        expires = min(issued.reattest_by, now + self._nonces.ttl)
+        nonce, expires = self._nonces.offer(now, self._random, expires)
         self._offered[issued.workload] = nonce
         return replace(issued, next_nonce=nonce, next_nonce_expires=expires)
 
