@@ -91,3 +91,17 @@ async def test_the_control_plane_serves_mtls_ads_on_either_transport(
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
+
+
+def test_the_xds_tls_context_refuses_renegotiation_and_requires_a_client_certificate(
+    tmp_path: Path,
+) -> None:
+    from datetime import UTC, datetime
+
+    from attestmesh.serve import _xds_tls
+    from certs.ca import CertificateAuthority
+
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca", "attestmesh.local", datetime.now(UTC))
+    ctx = _xds_tls(ca)
+    assert ctx.options & ssl.OP_NO_RENEGOTIATION
+    assert ctx.verify_mode is ssl.CERT_REQUIRED and ctx.num_tickets == 0
