@@ -11,46 +11,16 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.controlplane import AttestationLimiter, service
-from certs.binding import expected_report_data
+from attestmesh.controlplane import service
 from certs.ca import CertificateAuthority
-from certs.evidence import sim
-from certs.issuance import AttestRequest
 from certs.nonces import NonceBook, NonceError
+from tests.component.test_review_nonce import plane, request
 from tests.unit.fixtures_core import (
-    MEASUREMENT,
     NOW,
     Clock,
-    csr_pem,
-    make_control_plane,
-    new_key,
-    registration,
-    spki,
 )
 from xds.state import MAX_LIVE_CERTIFICATES, Status, Trigger
-
-PLATFORM = ec.generate_private_key(ec.SECP256R1())
-
-
-def request(name: str, nonce: bytes) -> AttestRequest:
-    key = new_key()
-    evidence = sim.build_report(
-        PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=MEASUREMENT
-    )
-    return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
-
-
-def plane(tmp_path: Path, clock: Clock) -> Any:
-    p = make_control_plane(
-        tmp_path,
-        clock=clock,
-        platform_key=PLATFORM,
-        registrations=[registration("web-1"), registration("web-2", port=15002)],
-    )
-    p.cp._limiter = AttestationLimiter(burst=100)
-    return p
 
 
 async def test_the_nonce_offered_with_a_certificate_serves_that_workloads_next_attestation_once(

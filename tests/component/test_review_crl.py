@@ -11,45 +11,15 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.controlplane import AttestationLimiter, service
-from certs.binding import expected_report_data
+from attestmesh.controlplane import service
 from certs.ca import CertificateAuthority
-from certs.evidence import sim
-from certs.issuance import AttestRequest
+from tests.component.test_review_nonce import plane, request
 from tests.unit.fixtures_core import (
-    MEASUREMENT,
     NOW,
     Clock,
-    csr_pem,
-    make_control_plane,
-    new_key,
-    registration,
-    spki,
 )
 from xds.state import MAX_LIVE_CERTIFICATES, Status
-
-PLATFORM = ec.generate_private_key(ec.SECP256R1())
-
-
-def request(name: str, nonce: bytes) -> AttestRequest:
-    key = new_key()
-    evidence = sim.build_report(
-        PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=MEASUREMENT
-    )
-    return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
-
-
-def plane(tmp_path: Path) -> Any:
-    p = make_control_plane(
-        tmp_path,
-        clock=Clock(NOW),
-        platform_key=PLATFORM,
-        registrations=[registration("web-1"), registration("web-2", port=15002)],
-    )
-    p.cp._limiter = AttestationLimiter(burst=100)
-    return p
 
 
 def listed(pem: bytes) -> set[int]:
@@ -59,7 +29,7 @@ def listed(pem: bytes) -> set[int]:
 async def test_a_withdrawn_first_certificate_is_revoked_at_once(
     tmp_path: Path,
 ) -> None:
-    p = plane(tmp_path)
+    p = plane(tmp_path, Clock(NOW))
     cp = p.cp
     first = await cp.attest(request("web-1", cp.challenge()[0]), None)
     assert cp.withdraw(first)  # a first attestation's lost answer: back to pending
@@ -75,7 +45,7 @@ async def test_a_failed_coalesced_signing_is_retried_not_left_for_the_next_revoc
     next interval signs again (before, it waited for another revocation or the half-day
     refresh, accepted meanwhile)."""
     monkeypatch.setattr(service, "CRL_COALESCE", timedelta(milliseconds=20))
-    p = plane(tmp_path)
+    p = plane(tmp_path, Clock(NOW))
     cp = p.cp
     crl_pem = CertificateAuthority.crl_pem
     failures = []
