@@ -466,10 +466,6 @@ class AdsConnection(asyncio.Protocol):
             self._end(
                 sid, PERMISSION_DENIED, f"the client certificate does not identify node {shown!r}"
             )
-            # no new stream on this connection: it closes soon, and until then a client
-            # could otherwise have node after node authorized
-            if self._h2 is not None:
-                self._h2.goaway(ErrorCode.NO_ERROR)
             transport = self._transport
             if transport is not None:
                 asyncio.get_running_loop().call_later(REFUSED_CONNECTION_CLOSE_S, transport.close)

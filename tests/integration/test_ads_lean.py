@@ -529,9 +529,9 @@ async def test_a_request_left_incomplete_is_closed_by_the_body_timeout(tmp_path:
 async def test_after_a_foreign_node_no_new_stream_is_served_and_nothing_is_echoed_at_length(
     tmp_path: Path,
 ) -> None:
-    """The refused node id is the client's: its answer repeats at most 96 characters of it. And
-    the connection takes no new stream in the moment before it closes (GOAWAY), so it cannot
-    try node after node."""
+    """The refused node id is the client's: its answer repeats at most 96 characters of it, and
+    the connection closes (a moment later: no GOAWAY first, which made Envoy's reconnect
+    backoff grow while its workload was quarantined; tests/integration/test_restart)."""
     async with plane(tmp_path) as p:
         c = await connect(p, sa="frontend")
         sid = c.call(SOTW)
@@ -539,5 +539,4 @@ async def test_after_a_foreign_node_no_new_stream_is_served_and_nothing_is_echoe
         status = await c.until(lambda: c.status(sid))
         assert status[b"grpc-status"] == b"7"
         assert len(status[b"grpc-message"]) < 500, len(status[b"grpc-message"])  # was ~20 KB
-        await c.until(lambda: any(isinstance(e, h2.events.ConnectionTerminated) for e in c.events))
         await asyncio.wait_for(c.lost.wait(), 3)
