@@ -537,7 +537,17 @@ def _private_file(path: Path) -> None:
 def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.execute("PRAGMA busy_timeout=10000")
-    db.execute("PRAGMA journal_mode=WAL")
+    # switching a fresh file to WAL takes an exclusive lock without waiting on busy_timeout:
+    # several processes opening it together (replicas starting at once) retry for up to 10 s
+    for attempt in range(200):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 199:
+                db.close()
+                raise
+            time.sleep(0.05)
     db.execute("PRAGMA synchronous=FULL")
     return db
 
