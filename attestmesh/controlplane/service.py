@@ -735,6 +735,13 @@ class ControlPlane:
             # quarantine and a release, superseded by later attestations).
             current = ensure_may_issue(self._state, req.workload)
             if all(c.serial != serial for c in current.certificates):
+                if serial not in self._state.revoked_serials():
+                    # not revoked: the state was restored from the store (an outage, a lost
+                    # acknowledgement) without this write, whose outcome is unknown here
+                    raise StoreUnavailableError(
+                        "store_unavailable",
+                        f"{req.workload}'s certificate is not in the stored state; retry",
+                    )
                 raise AttestmeshError(
                     "certificate_revoked",
                     f"{req.workload}'s new certificate was revoked while it was stored; attest"
