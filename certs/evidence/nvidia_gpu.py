@@ -17,7 +17,10 @@ append bytes after it; at most ``MAX_TRAILING`` are tolerated and reported in ``
 The signing key is the leaf of the device certificate chain, collateral ``cert_chain`` (PEM,
 leaf first) or a chain given to the constructor; the chain must lead to the pinned NVIDIA Device
 Identity root. The leaf's TCG DICE TcbInfo extension (2.23.133.5.4.1) must carry the FWID that
-the report's opaque data states (type 20).
+the report's opaque data states (type 20): the extension is parsed as DER and one of its FWIDs
+(``SEQUENCE { hashAlg OID, digest OCTET STRING }``, either in the TCG ``fwids [6]`` list or, as
+NVIDIA's GH100 FMC leaves carry it, directly in the TcbInfo sequence) must be a SHA-384 digest
+equal to the report's.
 
 Claims: ``measurements`` ``measurement_<index>`` (hex of the DMTF value); ``report_data`` is the
 32-byte request nonce; ``debug`` is always false (the report has no debug indicator);
@@ -49,6 +52,8 @@ from certs.evidence.x509chain import (
     EcdsaLinks,
     Lru,
     ParsedCertificate,
+    der_items,
+    der_single,
     load_pem_chain,
     verify_raw_ecdsa,
 )
@@ -62,6 +67,8 @@ NONCE_LEN = 32
 SIGNATURE_LEN = 96
 DMTF_SPEC = 0x01
 FWID_OID = x509.ObjectIdentifier("2.23.133.5.4.1")
+SHA384_OID = bytes.fromhex("608648016503040202")  # 2.16.840.1.101.3.4.2.2, DER content
+TAG_SEQUENCE, TAG_OID, TAG_OCTETS, TAG_FWIDS = 0x30, 0x06, 0x04, 0xA6
 COLLATERAL_CERT_CHAIN = "cert_chain"
 
 # Opaque-data TLV types stated in the vectors' documentation (others are kept, unnamed).
@@ -227,6 +234,28 @@ def verify_signature(report: SpdmReport, key: ec.EllipticCurvePublicKey) -> None
         )
 
 
+def leaf_fwids(tcb_info: bytes) -> list[tuple[bytes, bytes]]:
+    """The (hashAlg OID content, digest) FWIDs of a DER TcbInfo: those of its ``fwids [6]``
+    list and those placed directly in the sequence. ValueError if it is not DER."""
+
+    def fwid(content: bytes) -> tuple[bytes, bytes] | None:
+        items = der_items(content)
+        if [tag for tag, _ in items] == [TAG_OID, TAG_OCTETS]:
+            return items[0][1], items[1][1]
+        return None
+
+    found: list[tuple[bytes, bytes]] = []
+    for tag, content in der_items(der_single(tcb_info, TAG_SEQUENCE)):
+        if tag == TAG_SEQUENCE:
+            candidates = [content]
+        elif tag == TAG_FWIDS:
+            candidates = [c for t, c in der_items(content) if t == TAG_SEQUENCE]
+        else:
+            continue
+        found += [f for f in map(fwid, candidates) if f is not None]
+    return found
+
+
 def verify_fwid(report: SpdmReport, leaf: ParsedCertificate) -> None:
     fwid = report.opaque.get(OPAQUE_FWID)
     if not fwid:
@@ -234,8 +263,16 @@ def verify_fwid(report: SpdmReport, leaf: ParsedCertificate) -> None:
     raw = leaf.raw_extension(FWID_OID)
     if raw is None:
         raise EvidenceVerificationError("fwid_mismatch", "leaf has no TCG DICE FWID")
-    # The FWID digest is the last OCTET STRING of the TcbInfo: 04 <len> <digest>.
-    if len(fwid) > 127 or not raw.endswith(bytes((0x04, len(fwid))) + fwid):
+    try:
+        fwids = leaf_fwids(raw)
+    except ValueError as exc:
+        raise EvidenceVerificationError(
+            "fwid_mismatch", f"leaf TCG DICE TcbInfo is not DER: {exc}"
+        ) from None
+    sha384 = [digest for alg, digest in fwids if alg == SHA384_OID]
+    if not sha384:
+        raise EvidenceVerificationError("fwid_mismatch", "leaf TcbInfo has no SHA-384 FWID")
+    if fwid not in sha384:
         raise EvidenceVerificationError("fwid_mismatch", "leaf FWID differs from the report's")
 
 

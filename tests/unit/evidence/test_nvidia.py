@@ -211,8 +211,10 @@ T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def _der(tag: int, body: bytes) -> bytes:
-    assert len(body) < 0x80
-    return bytes((tag, len(body))) + body
+    if len(body) < 0x80:
+        return bytes((tag, len(body))) + body
+    assert len(body) < 0x100
+    return bytes((tag, 0x81, len(body))) + body
 
 
 def tcb_info(fwid: bytes) -> bytes:
@@ -220,7 +222,10 @@ def tcb_info(fwid: bytes) -> bytes:
     return _der(0x30, _der(0xA6, _der(0x30, sha384_oid + _der(0x04, fwid))))
 
 
-def make_leaf(fwid: bytes | None) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+def make_leaf(
+    fwid: bytes | None, tcb: bytes | None = None
+) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+    """A chain whose leaf carries ``tcb`` as its TcbInfo (default: ``tcb_info(fwid)``)."""
     root_key, leaf_key = (ec.generate_private_key(ec.SECP384R1()) for _ in range(2))
 
     def name(cn: str) -> x509.Name:
@@ -239,9 +244,10 @@ def make_leaf(fwid: bytes | None) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
 
     root = base("root", root_key).add_extension(x509.BasicConstraints(True, None), True)
     leaf = base("leaf", leaf_key)
-    if fwid is not None:
+    if fwid is not None or tcb is not None:
+        value = tcb if tcb is not None else tcb_info(fwid or b"")
         oid = x509.ObjectIdentifier("2.23.133.5.4.1")
-        leaf = leaf.add_extension(x509.UnrecognizedExtension(oid, tcb_info(fwid)), False)
+        leaf = leaf.add_extension(x509.UnrecognizedExtension(oid, value), False)
     pem = serialization.Encoding.PEM
     bundle = leaf.sign(root_key, hashes.SHA384()).public_bytes(pem) + root.sign(
         root_key, hashes.SHA384()
@@ -286,6 +292,58 @@ def test_fwid_mismatch(leaf_fwid: bytes | None) -> None:
             build_report(key, b"\x01" * 48, bytes(32)), now=T0, collateral={"cert_chain": bundle}
         )
     assert err.value.reason == "fwid_mismatch"
+
+
+SHA384 = bytes.fromhex("0609608648016503040202")
+SHA256 = bytes.fromhex("0609608648016503040201")
+REPORTED = b"\x07" * 48
+
+
+def _verify_with_tcb(tcb: bytes) -> None:
+    bundle, key = make_leaf(None, tcb)
+    root_pem = bundle[bundle.index(b"-----BEGIN", 10) :]
+    NvidiaGpuVerifier(root_pem).verify(
+        build_report(key, REPORTED, bytes(32)), now=T0, collateral={"cert_chain": bundle}
+    )
+
+
+def test_the_reported_fwid_may_be_any_sha384_entry_of_the_fwid_list() -> None:
+    other = _der(0x30, SHA384 + _der(0x04, b"\x01" * 48))
+    mine = _der(0x30, SHA384 + _der(0x04, REPORTED))
+    _verify_with_tcb(_der(0x30, _der(0xA6, mine + other)))  # not the last octet string
+
+
+def test_nvidia_layout_fwid_directly_in_the_sequence_is_read() -> None:
+    _verify_with_tcb(_der(0x30, b"\x02\x01\x01" + _der(0x30, SHA384 + _der(0x04, REPORTED))))
+
+
+@pytest.mark.parametrize(
+    ("tcb", "message"),
+    [
+        # the right bytes at the tail, but a SHA-256 FWID
+        (_der(0x30, _der(0xA6, _der(0x30, SHA256 + _der(0x04, REPORTED)))), "no SHA-384"),
+        # the right bytes at the tail, but a bare OCTET STRING (vendorInfo-like), no FWID
+        (_der(0x30, b"\x02\x01\x01" + _der(0x04, REPORTED)), "no SHA-384"),
+        # the right bytes at the tail of something that is not DER
+        (b"\x30\x7f\x02\x01\x01" + _der(0x04, REPORTED), "not DER"),
+        (_der(0x30, _der(0xA6, _der(0x30, SHA384 + _der(0x04, b"\x01" * 48)))), "differs"),
+    ],
+)
+def test_fwid_is_read_from_the_structure_not_the_tail(tcb: bytes, message: str) -> None:
+    assert tcb.endswith(_der(0x04, REPORTED)) or message == "differs"
+    with pytest.raises(EvidenceVerificationError) as err:
+        _verify_with_tcb(tcb)
+    assert err.value.reason == "fwid_mismatch"
+    assert message in str(err.value)
+
+
+def test_the_vectors_leaves_carry_exactly_the_reported_fwid() -> None:
+    for vec in (v for v in VECTORS_NV if v.fwid):
+        certs = x509.load_pem_x509_certificates(chain(vec.folder))
+        ext = certs[0].extensions.get_extension_for_oid(nvidia_gpu.FWID_OID).value
+        assert isinstance(ext, x509.UnrecognizedExtension)
+        fwids = nvidia_gpu.leaf_fwids(ext.value)
+        assert [d.hex() for a, d in fwids if a == nvidia_gpu.SHA384_OID] == [vec.fwid]
 
 
 # ---------------------------------------------------------------------------------------------
