@@ -66,6 +66,20 @@ def test_every_public_name_is_the_defining_modules_own() -> None:
         _ = xds.kube.no_such_name
 
 
+def test_the_public_face_lists_each_name_once_and_types_what_it_resolves() -> None:
+    """``__all__`` holds every name once (the shared ones are ``names.__all__`` itself), and the
+    imports type checkers read (under TYPE_CHECKING) name the modules ``_LAZY`` resolves."""
+    assert len(xds.kube.__all__) == len(set(xds.kube.__all__))
+    static: dict[str, str] = {}
+    tree = ast.parse((ROOT / "xds/kube/__init__.py").read_text())
+    (checking,) = [n for n in tree.body if isinstance(n, ast.If)]
+    for node in checking.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names:
+            static[alias.name] = node.module.removeprefix("xds.kube.")
+    assert static == xds.kube._LAZY
+
+
 def string_constants(path: Path) -> dict[str, str]:
     """Module-level NAME = "literal" assignments."""
     out: dict[str, str] = {}

@@ -39,35 +39,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from xds.kube.names import (
-    ANNOTATION_APP_PORT,
-    ANNOTATION_INBOUND_PORT,
-    ANNOTATION_INJECT,
-    ANNOTATION_INJECTED,
-    ANNOTATION_OUTBOUND,
-    COMPONENT,
-    CONDITION_ACCEPTED,
-    CONDITION_ATTESTED,
-    DEFAULT_INBOUND_PORT,
-    EXTRA_POD_NAME,
-    EXTRA_POD_UID,
-    GROUP,
-    HUGEPAGES_1GI,
-    HUGEPAGES_1GI_MEDIUM,
-    LABEL_INJECT,
-    LABEL_PLATFORM_UNTRUSTED,
-    LABEL_QUARANTINED,
-    MANAGED_LABELS,
-    NITRO_DP_LABEL,
-    NITRO_ENCLAVE_CPUS,
-    NITRO_ENCLAVES,
-    NITRO_RESOURCE_PREFIX,
-    TAINT_PLATFORM_UNTRUSTED,
-    TOKEN_AUDIENCE,
-    TRUST_CONFIGMAP,
-    TRUST_KEY,
-    VERSION,
-)
+from xds.kube import names
+from xds.kube.names import *  # noqa: F403 (the shared names, exported as they are)
 
 if TYPE_CHECKING:
     from xds.kube.actions import (
@@ -222,33 +195,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "ANNOTATION_APP_PORT",
-    "ANNOTATION_INBOUND_PORT",
-    "ANNOTATION_INJECT",
-    "ANNOTATION_INJECTED",
-    "ANNOTATION_OUTBOUND",
-    "COMPONENT",
-    "CONDITION_ACCEPTED",
-    "CONDITION_ATTESTED",
-    "DEFAULT_INBOUND_PORT",
-    "EXTRA_POD_NAME",
-    "EXTRA_POD_UID",
-    "GROUP",
-    "HUGEPAGES_1GI",
-    "HUGEPAGES_1GI_MEDIUM",
-    "LABEL_INJECT",
-    "LABEL_PLATFORM_UNTRUSTED",
-    "LABEL_QUARANTINED",
-    "MANAGED_LABELS",
-    "NITRO_DP_LABEL",
-    "NITRO_ENCLAVES",
-    "NITRO_ENCLAVE_CPUS",
-    "NITRO_RESOURCE_PREFIX",
-    "TAINT_PLATFORM_UNTRUSTED",
-    "TOKEN_AUDIENCE",
-    "TRUST_CONFIGMAP",
-    "TRUST_KEY",
-    "VERSION",
     "ActionQueue",
     "ActionResult",
     "EventRecorder",
@@ -302,3 +248,4 @@ __all__ = [
     "should_evict",
     "workload_name",
 ]
+__all__ += names.__all__
