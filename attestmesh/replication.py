@@ -27,14 +27,12 @@ import psycopg
 from certs.ca import CertificateAuthority
 from xds.state import MeshState, WorkloadState
 from xds.store_pg import (
-    CHANNEL,
-    CONNECT_TIMEOUT_SECONDS,
-    LIVENESS,
     ChangeFeed,
     Leadership,
     PostgresStore,
     StoredCrl,
     download_ca,
+    follow_notifications,
     publish_ca,
     read_crl,
     read_rows,
@@ -194,29 +192,22 @@ class CrlSigner:
         return self._first.wait(timeout)
 
     def _run(self) -> None:
-        while not self._closed.is_set():
-            try:
-                with psycopg.connect(
-                    self.url,
-                    autocommit=True,
-                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                    application_name="attestmesh-crl",
-                    **LIVENESS,
-                ) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}".encode())
-                    while not self._closed.is_set():
-                        self.step(conn)
-                        woke = False
-                        wait = min(self._poll, max(0.0, self._wake_at - time.monotonic()))
-                        for _ in conn.notifies(timeout=wait, stop_after=1):
-                            woke = True
-                        if woke:  # coalesce the burst: one step for all of it
-                            self._closed.wait(self._settle)
-                            for _ in conn.notifies(timeout=0):
-                                pass
-            except psycopg.Error as exc:
-                log.warning("CRL signer: %s: %s", redact_url(self.url), exc)
-                self._closed.wait(self._retry)
+        follow_notifications(
+            self.url,
+            name="attestmesh-crl",
+            closed=self._closed,
+            step=self._step,
+            lost=self._lost,
+            settle_seconds=self._settle,
+            retry_seconds=self._retry,
+        )
+
+    def _step(self, conn: psycopg.Connection[Any]) -> float:
+        self.step(conn)
+        return min(self._poll, max(0.0, self._wake_at - time.monotonic()))
+
+    def _lost(self, exc: psycopg.Error) -> None:
+        log.warning("CRL signer: %s: %s", redact_url(self.url), exc)
 
     def step(self, conn: psycopg.Connection[Any]) -> None:
         """Sign (the leader) or follow (everyone else), as the class docstring says."""

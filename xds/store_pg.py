@@ -71,6 +71,7 @@ __all__ = [
     "StoredCrl",
     "download_ca",
     "follow",
+    "follow_notifications",
     "is_postgres_url",
     "migrate_pg",
     "open_store",
@@ -584,6 +585,48 @@ class Changes:
     ca: bool = False  # the leader changed the shared CA (rotation): reload it
 
 
+def follow_notifications(
+    url: str,
+    *,
+    name: str,
+    closed: threading.Event,
+    step: Callable[[psycopg.Connection[Any]], float],
+    lost: Callable[[psycopg.Error], object],
+    settle_seconds: float,
+    retry_seconds: float,
+) -> None:
+    """Follow the change channel on the calling thread until ``closed`` is set: connect
+    (autocommit, ``application_name`` ``name``), LISTEN on ``CHANNEL``, then call
+    ``step(conn)`` at once (the catch-up read after every connect) and after every wake-up.
+    ``step`` returns how long to wait for a notification before it is called again; a
+    notification wakes it after ``settle_seconds``, and the notifications that arrived by
+    then are dropped, so a burst of commits costs one step. On a ``psycopg.Error`` (connect,
+    LISTEN, wait or ``step``): ``lost(exc)``, wait ``retry_seconds``, connect again."""
+    while not closed.is_set():
+        try:
+            with psycopg.connect(
+                url,
+                autocommit=True,
+                connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                application_name=name,
+                **LIVENESS,
+            ) as conn:
+                conn.execute(f"LISTEN {CHANNEL}".encode())
+                while not closed.is_set():
+                    wait = step(conn)
+                    woke = False
+                    if not closed.is_set():
+                        for _ in conn.notifies(timeout=wait, stop_after=1):
+                            woke = True
+                    if woke:
+                        closed.wait(settle_seconds)
+                        for _ in conn.notifies(timeout=0):
+                            pass
+        except psycopg.Error as exc:
+            lost(exc)
+            closed.wait(retry_seconds)
+
+
 class ChangeFeed:
     """A thread that follows the change log of one PostgreSQL database for one replica.
 
@@ -634,34 +677,27 @@ class ChangeFeed:
         self._thread.join(10)
 
     def _run(self) -> None:
-        while not self._closed.is_set():
-            try:
-                with psycopg.connect(
-                    self.url,
-                    autocommit=True,
-                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                    application_name="attestmesh-changefeed",
-                    **LIVENESS,
-                ) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}".encode())
-                    self.connected = True
-                    self._catch_up(conn)
-                    while not self._closed.is_set():
-                        woke = False
-                        for _ in conn.notifies(timeout=self._poll, stop_after=1):
-                            woke = True
-                        if woke and self._settle > 0:  # the burst's commits: one read
-                            self._closed.wait(self._settle)
-                            for _ in conn.notifies(timeout=0):
-                                pass
-                        self._catch_up(conn)
-            except psycopg.Error as exc:
-                if self.connected:
-                    log.warning("change feed lost %s: %s", redact_url(self.url), exc)
-                self.connected = False
-                self.reconnects += 1
-                self._closed.wait(self._retry)
+        follow_notifications(
+            self.url,
+            name="attestmesh-changefeed",
+            closed=self._closed,
+            step=self._step,
+            lost=self._lost,
+            settle_seconds=self._settle,
+            retry_seconds=self._retry,
+        )
         self.connected = False
+
+    def _step(self, conn: psycopg.Connection[Any]) -> float:
+        self.connected = True
+        self._catch_up(conn)
+        return self._poll
+
+    def _lost(self, exc: psycopg.Error) -> None:
+        if self.connected:
+            log.warning("change feed lost %s: %s", redact_url(self.url), exc)
+        self.connected = False
+        self.reconnects += 1
 
     def _catch_up(self, conn: psycopg.Connection[Any]) -> None:
         while True:
