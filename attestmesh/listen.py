@@ -13,8 +13,9 @@ One frozen ``ListenLimits`` configures every listener (attestation API, xDS, ops
 - HTTP/2 (xDS: our own ``xds.adsconn`` via ``start_h2``, or grpclib via ``start_grpc``):
   SETTINGS_MAX_CONCURRENT_STREAMS, a bounded header list and small flow control windows
   advertised in the first SETTINGS frame, and an idle timeout for a connection that has no
-  open stream. ``start_h2`` also does TLS itself over memory BIOs (``_MemoryTLS``: no read
-  buffer or write backlog per connection) and counts what the HTTP/2 layer refuses
+  open stream. ``start_h2`` also does TLS itself on the socket (``_SocketTLS``: OpenSSL reads
+  and writes the descriptor; no read buffer, memory BIO or write backlog kept per idle
+  connection) and counts what the HTTP/2 layer refuses
   (``protocol_error``, ``flood``, ``invalid_request``, ``header_timeout``).
 
 Connections closed by a timeout are reported to ``on_refused`` too, with the timeout as the
@@ -34,6 +35,7 @@ import contextlib
 import enum
 import ipaddress
 import logging
+import os
 import socket
 import ssl as _ssl
 import sys
@@ -190,7 +192,7 @@ class _Listener:
         self.probe = probe
         self.on_refused = on_refused
         self.loop = asyncio.get_running_loop()
-        self.memory_tls = False  # TLS by _MemoryTLS (start_h2) instead of asyncio's SSLProtocol
+        self.socket_tls = False  # TLS by _SocketTLS (start_h2) instead of asyncio's SSLProtocol
         self.open = 0
         self.per_source: dict[str, int] = {}
         self.closed: dict[CloseReason, int] = {}
@@ -257,6 +259,9 @@ class _Admission(asyncio.Protocol):
             transport.abort()
             lst.report(refused)
             return
+        if lst.tls is not None and lst.socket_tls:
+            self._to_socket_tls(transport, source)
+            return
         if lst.tls is not None:
             self._transport = transport
             self._source = source
@@ -276,6 +281,28 @@ class _Admission(asyncio.Protocol):
         transport.set_protocol(guard)
         guard.connection_made(transport)
 
+    def _to_socket_tls(self, transport: asyncio.Transport, source: str | None) -> None:
+        """``start_h2``: the socket leaves asyncio's transport (which has read nothing yet)
+        for ``_SocketTLS``, where OpenSSL reads and writes it directly."""
+        lst = self._listener
+        try:
+            raw = transport.get_extra_info("socket")
+            sock = socket.socket(fileno=os.dup(raw.fileno()))
+            sock.setblocking(False)
+            tls = _SocketTLS(
+                _Guard(lst, lst.app_factory()),
+                lst,
+                source,
+                sock,
+                transport.get_extra_info("peername"),
+            )
+        except BaseException:
+            lst.release(source)
+            raise
+        finally:
+            transport.abort()  # closes asyncio's descriptor; this protocol ignores the loss
+        del tls  # the event loop holds it (reader callback, handshake timer)
+
     def data_received(self, data: bytes) -> None:
         transport, lst = self._transport, self._listener
         if transport is None:
@@ -287,12 +314,6 @@ class _Admission(asyncio.Protocol):
         left = max(self._started + lst.limits.handshake_timeout - lst.loop.time(), 0.001)
         try:
             guard = _Guard(lst, lst.app_factory())
-            if lst.memory_tls:
-                mem = _MemoryTLS(guard, lst, self._source, left)
-                transport.set_protocol(mem)
-                mem.connection_made(transport)
-                mem.data_received(data)
-                return
             tls = _LeanSSLProtocol(lst.loop, guard, lst, self._source, left)
         except BaseException:
             lst.release(self._source)
@@ -379,137 +400,246 @@ class _LeanSSLProtocol(sslproto.SSLProtocol):
                 lst.report(CloseReason.HANDSHAKE_TIMEOUT)
 
 
-_TLS_CHUNK = 16_384  # plaintext fed to OpenSSL at once: the outgoing BIO never holds much more
+_TLS_CHUNK = 16_384  # plaintext given to one SSL_write: what a retry after EAGAIN repeats
+_READ_BUDGET = 262_144  # plaintext read in one readiness callback before yielding to the loop
 
 
-class _MemoryTLS(asyncio.Protocol, asyncio.Transport):
-    """Server-side TLS over two memory BIOs, between the socket transport and the application
-    (``start_h2``). Per connection it holds an ``SSLObject`` and nothing else of size: no read
-    buffer of its own (the socket transport's read goes straight into the incoming BIO), no
-    write backlog (a write is encrypted and handed to the socket transport at once, in chunks,
-    so the outgoing BIO stays small), and the peer certificate is parsed when asked for, not
-    kept. It is the application's transport; flow control (pause/resume writing) comes from
-    the socket transport."""
+class _SocketTLS(asyncio.Transport):
+    """Server-side TLS on the socket itself (``start_h2``): OpenSSL reads and writes the file
+    descriptor (a socket BIO), driven by the event loop's readiness callbacks. Per idle
+    connection it holds the ``SSLSocket`` and nothing else of size: no asyncio socket
+    transport, no memory BIOs (which keep the capacity of the largest flight or write they
+    ever held), OpenSSL's record buffers released when empty (CPython sets
+    SSL_MODE_RELEASE_BUFFERS), a plaintext backlog only while the peer does not read, and
+    the peer certificate parsed when asked for. A silent socket costs no TLS state: the
+    ``SSLSocket`` is made on its first readable event. Writes made while a read is handled
+    are sent together after it (fewer records and system calls). Flow control: the
+    application is paused above ``high`` bytes of backlog and resumed below ``low``."""
 
     __slots__ = (
         "_app",
+        "_backlog",
+        "_backlog_size",
         "_closing",
+        "_corked",
         "_deadline",
-        "_in",
+        "_fd",
+        "_high",
         "_listener",
-        "_out",
-        "_raw",
+        "_lost",
+        "_low",
+        "_paused",
+        "_peer",
+        "_reading",
         "_ready",
+        "_sock",
         "_source",
-        "_sslobj",
+        "_ssl",
         "_timer",
+        "_writing",
     )
 
     def __init__(
-        self, app: _Guard, listener: _Listener, source: str | None, handshake_timeout: float
+        self,
+        app: _Guard,
+        listener: _Listener,
+        source: str | None,
+        sock: socket.socket,
+        peername: object,
     ) -> None:
         super().__init__()
+        loop = listener.loop
         self._app = app
         self._listener = listener
         self._source = source
-        self._deadline = listener.loop.time() + handshake_timeout
-        self._timer: asyncio.TimerHandle | None = None
-        self._raw: asyncio.Transport | None = None
-        self._in = _ssl.MemoryBIO()
-        self._out = _ssl.MemoryBIO()
-        self._sslobj: _ssl.SSLObject | None = None
+        self._sock: socket.socket | None = sock
+        self._ssl: _ssl.SSLSocket | None = None
+        self._fd = sock.fileno()
+        self._peer = peername
+        self._deadline = loop.time() + listener.limits.handshake_timeout
+        self._timer: asyncio.TimerHandle | None = loop.call_at(self._deadline, self._expire)
         self._ready = False
         self._closing = False
+        self._lost = False
+        self._corked = False
+        self._paused = False  # the application was told to pause writing
+        self._reading = True
+        self._writing = False  # a writer callback is registered (backlog pending)
+        self._backlog: list[bytes] = []
+        self._backlog_size = 0
+        self._high = 65_536
+        self._low = 16_384
+        loop.add_reader(self._fd, self._read_ready)
 
-    # -- protocol side (the socket transport calls these) ----------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        tls = self._listener.tls
-        assert tls is not None
-        self._raw = transport
-        self._sslobj = tls.wrap_bio(self._in, self._out, server_side=True)
-        self._timer = self._listener.loop.call_at(self._deadline, self._expire)
+    # -- the event loop's side -------------------------------------------------------------
 
     def _expire(self) -> None:
         self._timer = None
-        if not self._ready and self._raw is not None:
-            self._raw.abort()  # connection_lost reports the handshake timeout
+        if not self._ready:
+            self._abort(None)  # connection_lost reports the handshake timeout
 
-    def _send_tls(self) -> None:
-        if self._out.pending and self._raw is not None:
-            self._raw.write(self._out.read())
-
-    def data_received(self, data: bytes) -> None:
-        sslobj = self._sslobj
-        if sslobj is None:
-            return
-        self._in.write(data)
+    def _read_ready(self) -> None:
+        tls = self._ssl
+        if tls is None:
+            sock, ctx = self._sock, self._listener.tls
+            if sock is None or ctx is None:
+                return
+            self._sock = None
+            try:
+                tls = self._ssl = ctx.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
+            except (_ssl.SSLError, OSError) as exc:
+                log.debug("TLS setup failed: %s", exc)
+                sock.close()
+                self._abort(exc)
+                return
         if not self._ready:
             try:
-                sslobj.do_handshake()
+                tls.do_handshake()
             except _ssl.SSLWantReadError:
-                self._send_tls()
+                return
+            except _ssl.SSLWantWriteError:
+                self._await_writable()  # the socket cannot take the server's flight yet
                 return
             except (_ssl.SSLError, OSError) as exc:
                 log.debug("TLS handshake failed: %s", exc)
-                self._send_tls()  # the alert
-                self._fail()
+                self._abort(exc)
                 return
             self._ready = True
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            self._send_tls()
-            self._app.connection_made(self)
-        chunks = []
-        eof = False
-        while True:
+            self._corked = True
             try:
-                chunk = sslobj.read(65_536)
+                self._app.connection_made(self)
+            finally:
+                self._uncork()
+        chunks: list[bytes] = []
+        got = 0
+        eof = False
+        while got < _READ_BUDGET:
+            try:
+                chunk = tls.read(65_536)
             except _ssl.SSLWantReadError:
                 break
-            except _ssl.SSLZeroReturnError:
-                eof = True  # close_notify
-                break
+            except _ssl.SSLWantWriteError:
+                break  # a post-handshake message waits for the socket: reading resumes
             except (_ssl.SSLError, OSError) as exc:
                 log.debug("TLS read failed: %s", exc)
-                self._fail()
+                self._abort(exc)
                 return
             if not chunk:
+                eof = True  # close_notify, or the TCP connection ended
                 break
             chunks.append(chunk)
-        self._send_tls()  # TLS 1.3 post-handshake messages, key updates
+            got += len(chunk)
         if chunks and not self._closing:
-            self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            self._corked = True
+            try:
+                self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            finally:
+                self._uncork()
         if eof:
             self.close()
 
-    def eof_received(self) -> bool:
-        return False  # the socket transport closes; connection_lost follows
+    def _await_writable(self) -> None:
+        if not self._writing:
+            self._writing = True
+            self._listener.loop.add_writer(self._fd, self._handshake_writable)
 
-    def _fail(self) -> None:
+    def _handshake_writable(self) -> None:
+        self._writing = False
+        self._listener.loop.remove_writer(self._fd)
+        self._read_ready()
+
+    def _write_ready(self) -> None:
+        self._flush()
+        if self._closing and not self._backlog:
+            self._finish()
+
+    def _flush(self) -> None:
+        """Hand the backlog to OpenSSL (one record per chunk) until the socket is full."""
+        tls, backlog = self._ssl, self._backlog
+        if tls is None or self._lost:
+            return
+        sent = 0
+        try:
+            while backlog:
+                head = backlog[0]
+                tls.write(head)  # all of it, or an exception (no partial writes)
+                backlog.pop(0)
+                sent += len(head)
+        except (_ssl.SSLWantWriteError, _ssl.SSLWantReadError):
+            pass
+        except (_ssl.SSLError, OSError) as exc:
+            log.debug("TLS write failed: %s", exc)
+            self._backlog_size = 0
+            backlog.clear()
+            self._abort(exc)
+            return
+        self._backlog_size -= sent
+        loop = self._listener.loop
+        if backlog and not self._writing:
+            self._writing = True
+            loop.add_writer(self._fd, self._write_ready)
+        elif not backlog and self._writing:
+            self._writing = False
+            loop.remove_writer(self._fd)
+        if self._paused and self._backlog_size <= self._low:
+            self._paused = False
+            self._app.resume_writing()
+        elif not self._paused and self._backlog_size > self._high:
+            self._paused = True
+            self._app.pause_writing()
+
+    def _uncork(self) -> None:
+        self._corked = False
+        backlog = self._backlog
+        if len(backlog) > 1 and not self._writing:
+            joined = b"".join(backlog)  # what one read answered: one write, chunked again
+            backlog[:] = [joined[i : i + _TLS_CHUNK] for i in range(0, len(joined), _TLS_CHUNK)]
+        if backlog and not self._writing:
+            self._flush()
+
+    def _abort(self, exc: BaseException | None) -> None:
+        """Close at once (nothing more sent); ``connection_lost`` follows soon."""
         self._closing = True
-        if self._raw is not None:
-            self._raw.abort()
+        if self._lost:
+            return
+        self._lost = True
+        loop = self._listener.loop
+        if self._reading:
+            self._reading = False
+            loop.remove_reader(self._fd)
+        if self._writing:
+            self._writing = False
+            loop.remove_writer(self._fd)
+        self._backlog.clear()
+        self._backlog_size = 0
+        for s in (self._ssl, self._sock):
+            if s is not None:
+                s.close()
+        loop.call_soon(self._connection_lost, exc)
 
-    def pause_writing(self) -> None:
-        self._app.pause_writing()
+    def _finish(self) -> None:
+        """A graceful close once the backlog is sent: close_notify (not waiting for the
+        peer's), then the socket."""
+        tls = self._ssl
+        if tls is not None and self._ready and not self._lost:
+            with contextlib.suppress(_ssl.SSLError, OSError, ValueError):
+                tls.unwrap()
+        self._abort(None)
 
-    def resume_writing(self) -> None:
-        self._app.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _connection_lost(self, exc: BaseException | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._closing = True
-        self._sslobj = None
-        self._raw = None
+        self._ssl = self._sock = None
         lst = self._listener
         try:
             if self._ready:
-                self._app.connection_lost(exc)
+                self._app.connection_lost(exc if isinstance(exc, Exception) else None)
         finally:
             lst.release(self._source)
             if not self._ready and lst.loop.time() >= self._deadline - 0.01:
@@ -518,21 +648,20 @@ class _MemoryTLS(asyncio.Protocol, asyncio.Transport):
     # -- transport side (the application calls these) --------------------------------------
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        sslobj, raw = self._sslobj, self._raw
-        if sslobj is None or raw is None or self._closing:
+        if self._closing or self._ssl is None or not data:
             return
-        try:
-            if len(data) <= _TLS_CHUNK:
-                sslobj.write(data)
-                raw.write(self._out.read())
-                return
+        backlog = self._backlog
+        if len(data) <= _TLS_CHUNK:
+            backlog.append(bytes(data))
+        else:
             view = memoryview(data)
-            for i in range(0, len(view), _TLS_CHUNK):
-                sslobj.write(view[i : i + _TLS_CHUNK])
-                raw.write(self._out.read())
-        except (_ssl.SSLError, OSError) as exc:
-            log.debug("TLS write failed: %s", exc)
-            self._fail()
+            backlog.extend(bytes(view[i : i + _TLS_CHUNK]) for i in range(0, len(view), _TLS_CHUNK))
+        self._backlog_size += len(data)
+        if not self._corked and not self._writing:
+            self._flush()
+        elif not self._paused and self._backlog_size > self._high:
+            self._paused = True
+            self._app.pause_writing()
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(list_of_data))
@@ -544,51 +673,64 @@ class _MemoryTLS(asyncio.Protocol, asyncio.Transport):
         if self._closing:
             return
         self._closing = True
-        sslobj, raw = self._sslobj, self._raw
-        if sslobj is not None and raw is not None:
-            with contextlib.suppress(_ssl.SSLError, OSError):
-                sslobj.unwrap()  # queues close_notify (and wants the peer's: not waited for)
-            self._send_tls()
-        if raw is not None:
-            raw.close()
+        if self._reading and not self._lost:
+            self._reading = False
+            self._listener.loop.remove_reader(self._fd)
+        if self._corked:
+            self._uncork()
+        if not self._backlog:
+            self._finish()
+        # else: _write_ready finishes once the backlog is sent (or the write timeout aborts)
 
     def abort(self) -> None:
-        self._closing = True
-        if self._raw is not None:
-            self._raw.abort()
+        self._abort(None)
 
     def is_closing(self) -> bool:
-        return self._closing or self._raw is None or self._raw.is_closing()
+        return self._closing
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        sslobj = self._sslobj
+        tls = self._ssl
         if name == "peercert":
-            return sslobj.getpeercert() if sslobj is not None and self._ready else default
+            return tls.getpeercert() if tls is not None and self._ready else default
         if name == "ssl_object":
-            return sslobj
+            return tls
         if name == "sslcontext":
             return self._listener.tls
         if name == "cipher":
-            return sslobj.cipher() if sslobj is not None else default
-        return self._raw.get_extra_info(name, default) if self._raw is not None else default
+            return tls.cipher() if tls is not None else default
+        if name == "peername":
+            return self._peer
+        if name == "socket":
+            return tls if tls is not None else self._sock
+        return default
 
     def get_write_buffer_size(self) -> int:
-        return self._raw.get_write_buffer_size() if self._raw is not None else 0
+        return self._backlog_size
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if self._raw is not None:
-            self._raw.set_write_buffer_limits(high, low)
+        if high is None:
+            high = 65_536 if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
 
     def is_reading(self) -> bool:
-        return self._raw is not None and self._raw.is_reading()
+        return self._reading
 
     def pause_reading(self) -> None:
-        if self._raw is not None:
-            self._raw.pause_reading()
+        if self._reading and not self._lost:
+            self._reading = False
+            self._listener.loop.remove_reader(self._fd)
 
     def resume_reading(self) -> None:
-        if self._raw is not None:
-            self._raw.resume_reading()
+        if not self._reading and not self._closing:
+            self._reading = True
+            self._listener.loop.add_reader(self._fd, self._read_ready)
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         return self._app
@@ -1010,7 +1152,7 @@ async def start_h2(
 
     loop = asyncio.get_running_loop()
     lst = _Listener(name, limits, ssl, lambda: service.protocol(report), _lean_h2_phase, on_refused)
-    lst.memory_tls = True
+    lst.socket_tls = True
     srv = await loop.create_server(lst, host, port, backlog=limits.backlog)
     service.serving(srv)
     return Listener(srv, lst)
