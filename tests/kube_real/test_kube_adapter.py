@@ -47,6 +47,7 @@ from xds.kube import (
     WorkloadRef,
     parse_node,
 )
+from xds.kube.events import EVENT_BURST, EVENT_REFILL, MAX_COUNT, EventRecorder, event_body
 from xds.state import Endpoint, MeshState, Registration, Trigger, quarantine, register
 
 pytestmark = pytest.mark.integration
@@ -398,8 +399,10 @@ async def test_quarantine_is_idempotent(env: Env) -> None:
     assert taint["effect"] == "NoSchedule"
     assert stored["metadata"]["labels"]["attestmesh.dev/platform-untrusted"] == "true"
     (event,) = await asyncio.to_thread(events, admin, ns, "Quarantined")
-    assert event["count"] == 2  # aggregated
-    # the second pass wrote nothing to the pod or the node
+    assert event["count"] == 1  # the second pass changed nothing: no second occurrence
+    # the second pass wrote nothing to the pod, the node or the Events
+    event_writes = await asyncio.to_thread(writes_to, env, f"/api/v1/namespaces/{ns}/events")
+    assert [v for v, _ in event_writes] == ["create"]
     pod_writes = await asyncio.to_thread(writes_to, env, f"/api/v1/namespaces/{ns}/pods/web-0")
     node_writes = await asyncio.to_thread(writes_to, env, f"/api/v1/nodes/{node}")
     assert [v for v, _ in pod_writes] == ["patch", "patch"]  # the label, the condition
@@ -444,6 +447,36 @@ async def test_eviction_blocked_by_disruption_budget(env: Env) -> None:
     assert out.result is ActionResult.EVICTION_BLOCKED
     assert await asyncio.to_thread(admin.get_or_none, "v1", "Pod", ns, "web-0") is not None
     assert await asyncio.to_thread(events, admin, ns, "EvictionBlocked")
+
+
+async def test_events_about_one_object_are_budgeted_and_a_count_stops_at_the_int32_maximum(
+    env: Env,
+) -> None:
+    admin, ns = env.admin, "ad-events"
+    await asyncio.to_thread(own_namespace, admin, ns)
+    now = [datetime(2026, 1, 1, tzinfo=UTC)]
+    recorder = EventRecorder(kc(env), lambda: now[0], "cp-0")
+    pod = {"apiVersion": "v1", "kind": "Pod", "name": "web-0", "namespace": ns}
+    for _ in range(EVENT_BURST + 5):  # an agent failing its audit in a loop
+        await recorder.record(pod, "AttestationAudit", "would quarantine")
+    (event,) = await asyncio.to_thread(events, admin, ns)
+    assert event["count"] == EVENT_BURST and recorder.dropped == 5
+    now[0] += EVENT_REFILL  # one more may be written
+    for _ in range(3):
+        await recorder.record(pod, "AttestationAudit", "would quarantine")
+    (event,) = await asyncio.to_thread(events, admin, ns)
+    assert event["count"] == EVENT_BURST + 1 and recorder.dropped == 7
+    assert event["lastTimestamp"] == "2026-01-01T00:05:00Z"
+    # another object has a budget of its own; an Event at the API's maximum count stays there
+    # (one more would be refused as out of range) and its lastTimestamp still moves
+    node = {"apiVersion": "v1", "kind": "Node", "name": "n1", "namespace": ns}
+    full = event_body(node, "PlatformUntrusted", "m", now[0], "cp-0")
+    await asyncio.to_thread(admin.create, {**full, "count": MAX_COUNT})
+    now[0] += timedelta(seconds=1)
+    await recorder.record(node, "PlatformUntrusted", "m")
+    (event,) = await asyncio.to_thread(events, admin, ns, "PlatformUntrusted")
+    assert event["count"] == MAX_COUNT
+    assert event["lastTimestamp"] == "2026-01-01T00:05:01Z"
 
 
 async def test_audit_mode_and_followers_do_nothing_but_record(env: Env) -> None:

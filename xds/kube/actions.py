@@ -109,7 +109,9 @@ class KubeActions:
                 self._count("quarantine", "pod_gone")
                 return QuarantineOutcome(ActionResult.POD_GONE)
             raise
+        applied = False  # the label or the condition written now: an Event says so
         if (pod["metadata"].get("labels") or {}).get(LABEL_QUARANTINED) != "true":
+            applied = True
             await self.kube.call(
                 self.kube.core.patch_namespaced_pod,
                 name,
@@ -123,6 +125,7 @@ class KubeActions:
         )
         current = find_condition(pod, CONDITION_ATTESTED)
         if not same_condition(current, wanted):
+            applied = True
             if current is not None and current.get("status") == "False":
                 wanted["lastTransitionTime"] = current.get("lastTransitionTime")
             await self.kube.call(
@@ -139,7 +142,8 @@ class KubeActions:
             "namespace": ns,
             "uid": pod["metadata"].get("uid", ""),
         }
-        await self.events.record(involved, "Quarantined", message)
+        if applied:  # a re-apply that finds the quarantine in place records nothing
+            await self.events.record(involved, "Quarantined", message)
         tainted = None
         node = node or (pod.get("spec") or {}).get("nodeName")
         if platform_failed and node:
