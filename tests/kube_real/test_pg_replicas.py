@@ -338,7 +338,13 @@ async def test_a_quarantine_decided_while_no_replica_leads_is_applied_by_the_nex
                 lambda: next((p for p in (r.a, r.b) if p.mode.elector.is_leader), None),
                 what="a replica leads",
             )
-            pod = await until(lambda: labelled(admin, ns), timeout=10, what="pod labelled")
+            pod = await until(  # the label, then the condition: two writes
+                lambda: (
+                    p if (p := labelled(admin, ns)) and attested_condition(p) == "False" else None
+                ),
+                timeout=10,
+                what="pod labelled and its condition written",
+            )
             assert attested_condition(pod) == "False"
             await leader.mode.drained()
             assert len(await asyncio.to_thread(events, admin, ns, "Quarantined")) == 1
