@@ -112,7 +112,12 @@ DEFAULT_MAX_CHANGES = 100_000
 CONNECT_TIMEOUT_SECONDS = 5
 # a connection whose server went silent (cut off, not closed) fails within ~5 s instead of
 # waiting for TCP's retransmissions (minutes): unacknowledged data, and idle keepalives
+# and a session that stops inside a transaction (its replica frozen, or stuck between two
+# statements) is ended by the server after IDLE_IN_TRANSACTION_MS, so the row locks it holds
+# stop blocking the other replicas' decisions
+IDLE_IN_TRANSACTION_MS = 10_000
 LIVENESS: dict[str, Any] = {
+    "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}",
     "tcp_user_timeout": 5000,
     "keepalives": 1,
     "keepalives_idle": 3,

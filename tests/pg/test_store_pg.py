@@ -13,6 +13,7 @@ import pytest
 from tests.pg_harness import PgCluster
 from tests.unit.fixtures_core import TRUST_DOMAIN
 from tests.unit.xds.test_store_batch import ev, rev, wl
+from xds import store_pg
 from xds.state import MeshState
 from xds.store import Batch, SqliteStore, StoreError
 from xds.store_pg import PostgresStore, open_store, redact_url
@@ -127,3 +128,14 @@ def test_open_store_picks_the_backend_from_the_spec(pg_url: str, tmp_path: Path)
         finally:
             gc.close()
     assert (tmp_path / "s.db").exists()
+
+
+def test_the_stores_sessions_are_ended_by_the_server_when_left_inside_a_transaction(
+    pg_url: str,
+) -> None:
+    """A replica frozen mid-transaction must not hold its row locks for ever: the server ends
+    the session after IDLE_IN_TRANSACTION_MS."""
+    with store_pg._connect(pg_url) as conn:
+        shown = conn.execute(b"SHOW idle_in_transaction_session_timeout").fetchone()
+    assert shown is not None
+    assert shown[0] == f"{store_pg.IDLE_IN_TRANSACTION_MS // 1000}s"
