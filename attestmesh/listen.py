@@ -412,16 +412,16 @@ class _SocketTLS(asyncio.Transport):
     ever held), OpenSSL's record buffers released when empty (CPython sets
     SSL_MODE_RELEASE_BUFFERS), a plaintext backlog only while the peer does not read, and
     the peer certificate parsed when asked for. A silent socket costs no TLS state: the
-    ``SSLSocket`` is made on its first readable event. Writes made while a read is handled
-    are sent together after it (fewer records and system calls). Flow control: the
-    application is paused above ``high`` bytes of backlog and resumed below ``low``."""
+    ``SSLSocket`` is made on its first readable event. Writes are sent together once the
+    callbacks due have run (an answer to a read and the pushes it woke: one system call).
+    Flow control: the application is paused above ``high`` bytes of backlog and resumed
+    below ``low``."""
 
     __slots__ = (
         "_app",
         "_backlog",
         "_backlog_size",
         "_closing",
-        "_corked",
         "_deadline",
         "_fd",
         "_high",
@@ -432,6 +432,7 @@ class _SocketTLS(asyncio.Transport):
         "_peer",
         "_reading",
         "_ready",
+        "_scheduled",
         "_sock",
         "_source",
         "_ssl",
@@ -461,7 +462,7 @@ class _SocketTLS(asyncio.Transport):
         self._ready = False
         self._closing = False
         self._lost = False
-        self._corked = False
+        self._scheduled = False  # _flush_soon is due
         self._paused = False  # the application was told to pause writing
         self._reading = True
         self._writing = False  # a writer callback is registered (backlog pending)
@@ -510,11 +511,7 @@ class _SocketTLS(asyncio.Transport):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            self._corked = True
-            try:
-                self._app.connection_made(self)
-            finally:
-                self._uncork()
+            self._app.connection_made(self)
         chunks: list[bytes] = []
         got = 0
         eof = False
@@ -535,11 +532,7 @@ class _SocketTLS(asyncio.Transport):
             chunks.append(chunk)
             got += len(chunk)
         if chunks and not self._closing:
-            self._corked = True
-            try:
-                self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-            finally:
-                self._uncork()
+            self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         if eof:
             self.close()
 
@@ -593,14 +586,19 @@ class _SocketTLS(asyncio.Transport):
             self._paused = True
             self._app.pause_writing()
 
-    def _uncork(self) -> None:
-        self._corked = False
+    def _flush_soon(self) -> None:
+        """What was written since the last flush, in as few records (and system calls) as
+        the chunk size allows: an answer to a read and the pushes it woke go out together."""
+        self._scheduled = False
         backlog = self._backlog
-        if len(backlog) > 1 and not self._writing:
-            joined = b"".join(backlog)  # what one read answered: one write, chunked again
+        if self._writing or self._lost or not backlog:
+            return
+        if len(backlog) > 1:
+            joined = b"".join(backlog)
             backlog[:] = [joined[i : i + _TLS_CHUNK] for i in range(0, len(joined), _TLS_CHUNK)]
-        if backlog and not self._writing:
-            self._flush()
+        self._flush()
+        if self._closing and not backlog:
+            self._finish()
 
     def _abort(self, exc: BaseException | None) -> None:
         """Close at once (nothing more sent); ``connection_lost`` follows soon."""
@@ -657,9 +655,10 @@ class _SocketTLS(asyncio.Transport):
             view = memoryview(data)
             backlog.extend(bytes(view[i : i + _TLS_CHUNK]) for i in range(0, len(view), _TLS_CHUNK))
         self._backlog_size += len(data)
-        if not self._corked and not self._writing:
-            self._flush()
-        elif not self._paused and self._backlog_size > self._high:
+        if not self._scheduled and not self._writing:
+            self._scheduled = True
+            self._listener.loop.call_soon(self._flush_soon)
+        if not self._paused and self._backlog_size > self._high:
             self._paused = True
             self._app.pause_writing()
 
@@ -676,11 +675,10 @@ class _SocketTLS(asyncio.Transport):
         if self._reading and not self._lost:
             self._reading = False
             self._listener.loop.remove_reader(self._fd)
-        if self._corked:
-            self._uncork()
         if not self._backlog:
             self._finish()
-        # else: _write_ready finishes once the backlog is sent (or the write timeout aborts)
+        # else: _flush_soon or _write_ready finishes once the backlog is sent (or the write
+        # timeout aborts)
 
     def abort(self) -> None:
         self._abort(None)
