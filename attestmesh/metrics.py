@@ -44,6 +44,7 @@ class Metrics:
             registry=r,
         )
         self.xds_streams = Gauge("attestmesh_xds_streams", "Connected xDS streams", registry=r)
+        self._acked: dict[str, Histogram] = {}  # xds_push_ack_seconds by type (bounded)
         self.xds_push_ack_seconds = Histogram(
             "attestmesh_xds_push_ack_seconds",
             "Time from sending an xDS response to its ACK, by type",
@@ -135,7 +136,10 @@ class Metrics:
         self.xds_nacks.labels(type_short).inc()
 
     def xds_acked(self, type_short: str, seconds: float) -> None:
-        self.xds_push_ack_seconds.labels(type_short).observe(seconds)
+        child = self._acked.get(type_short)  # one per type: labels() costs a lock and a tuple
+        if child is None:
+            child = self._acked[type_short] = self.xds_push_ack_seconds.labels(type_short)
+        child.observe(seconds)
 
     def xds_stream(self, delta: int) -> None:
         self.xds_streams.inc(delta)

@@ -152,6 +152,55 @@ class BuildSettings:
     app_address: str = "127.0.0.1"
 
 
+_NO_RESOURCES: Mapping[str, bytes] = MappingProxyType({})
+
+# Types whose mappings are made of resources shared between nodes (a service's endpoints, a
+# destination's routes, the trust secret): equal mappings are interned, so the nodes that
+# hold one share it and its version, and a patch of it is computed once for all of them.
+_SHARED_TYPES = frozenset({TypeUrl.ENDPOINT, TypeUrl.ROUTE, TypeUrl.SECRET})
+_INTERN_MAX = 16_384  # distinct interned mappings kept (cleared when full: cost, not meaning)
+_PATCHES_MAX = 4_096
+_interned: dict[tuple[TypeUrl, tuple[tuple[str, bytes], ...]], tuple[Mapping[str, bytes], str]]
+_interned = {}
+# (id of the mapping patched, the replacement's items) -> (that mapping, the patched one or
+# None if nothing differs, its version); the mapping is kept to tell a reused id apart
+_patches: dict[
+    tuple[int, tuple[tuple[str, bytes], ...]],
+    tuple[Mapping[str, bytes], Mapping[str, bytes] | None, str],
+] = {}
+
+
+def _frozen(t: TypeUrl, resources: Mapping[str, bytes]) -> tuple[Mapping[str, bytes], str]:
+    """A read-only copy of ``resources`` and its version (shared with every equal mapping of
+    a shared type: the same names in the same order, the very same bytes objects)."""
+    if t not in _SHARED_TYPES:
+        frozen = MappingProxyType(dict(resources))
+        return frozen, content_version(frozen)
+    key = (t, tuple(resources.items()))
+    hit = _interned.get(key)
+    if hit is None:
+        frozen = MappingProxyType(dict(resources))
+        if len(_interned) >= _INTERN_MAX:
+            _interned.clear()
+        hit = _interned[key] = (frozen, content_version(frozen))
+    return hit
+
+
+def _merge(
+    t: TypeUrl, current: Mapping[str, bytes], replacement: Mapping[str, bytes]
+) -> tuple[Mapping[str, bytes] | None, str]:
+    """``current`` with the resources it holds replaced by ``replacement``'s (None: nothing
+    differs; equal bytes are no difference, an interned mapping may hold an equal copy)."""
+    update = {
+        n: b
+        for n, b in replacement.items()
+        if n in current and (held := current[n]) is not b and held != b
+    }
+    if not update:
+        return None, ""
+    return _frozen(t, {**current, **update})
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """An immutable, versioned set of one node's resources, per type: name -> packed Any bytes.
@@ -170,30 +219,44 @@ class Snapshot:
         resources: Mapping[TypeUrl, Mapping[str, bytes]],
         references: Mapping[TypeUrl, frozenset[str]] | None = None,
     ) -> Snapshot:
-        frozen = {t: MappingProxyType(dict(resources.get(t, {}))) for t in TypeUrl}
+        frozen: dict[TypeUrl, Mapping[str, bytes]] = {}
+        versions: dict[TypeUrl, str] = {}
+        for t in TypeUrl:
+            frozen[t], versions[t] = _frozen(t, resources.get(t, _NO_RESOURCES))
         return cls(
             MappingProxyType(frozen),
             MappingProxyType(dict(references or {})),
-            MappingProxyType({t: content_version(frozen[t]) for t in TypeUrl}),
+            MappingProxyType(versions),
         )
 
     def patched(self, changes: Mapping[TypeUrl, Mapping[str, bytes]]) -> Snapshot:
         """This snapshot with existing resources replaced (names and references unchanged):
         a change of shared resources costs each node a dict copy per changed type, not a
         rebuild. Returns ``self`` when nothing differs."""
-        resources = dict(self.resources)
-        versions = dict(self.versions)
-        changed = False
+        resources: dict[TypeUrl, Mapping[str, bytes]] | None = None
+        versions: dict[TypeUrl, str] | None = None
         for t, replacement in changes.items():
-            current = resources[t]
-            update = {n: b for n, b in replacement.items() if n in current and current[n] is not b}
-            if not update:
+            current = self.resources[t]
+            if t in _SHARED_TYPES:
+                # nodes that hold the same shared mapping (every caller of a service holds one
+                # EDS mapping) get the same patched one: merged and versioned once
+                key = (id(current), tuple(replacement.items()))
+                hit = _patches.get(key)
+                if hit is None or hit[0] is not current:
+                    hit = (current, *_merge(t, current, replacement))
+                    if len(_patches) >= _PATCHES_MAX:
+                        _patches.clear()
+                    _patches[key] = hit
+                merged, version = hit[1], hit[2]
+            else:
+                merged, version = _merge(t, current, replacement)
+            if merged is None:
                 continue
-            merged = MappingProxyType({**current, **update})
+            if resources is None or versions is None:
+                resources, versions = dict(self.resources), dict(self.versions)
             resources[t] = merged
-            versions[t] = content_version(merged)
-            changed = True
-        if not changed:
+            versions[t] = version
+        if resources is None or versions is None:
             return self
         return Snapshot(MappingProxyType(resources), self.references, MappingProxyType(versions))
 
@@ -201,7 +264,7 @@ class Snapshot:
         return self.versions.get(type_url, "")
 
     def get(self, type_url: TypeUrl) -> Mapping[str, bytes]:
-        return self.resources.get(type_url, MappingProxyType({}))
+        return self.resources.get(type_url, _NO_RESOURCES)
 
     def missing(self) -> frozenset[tuple[TypeUrl, str]]:
         """Referenced (type, name) pairs that the snapshot does not hold."""

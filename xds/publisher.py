@@ -17,10 +17,12 @@ identity left; the destinations whose rules admitted an identity that changed, w
 CRL; everyone, for a mesh policy change) form the first wave; changes that only grant (a new
 endpoint, a newly admitted caller) and the coalesced CRL fan-out follow. The first wave's held
 snapshots are patched and their streams woken at once (interleaving them with the ACKs of the
-earlier ones would about double the time to the last of them); the rest ``CHUNK`` nodes at a
-time, each chunk on the next turn of the event loop (``soon``), so between chunks the loop
-serves ACKs, /healthz and the API. A node asked for before its turn is brought up to date
-first (the cache's ``settle``): nobody reads a snapshot older than the state last published.
+earlier ones would about double the time to the last of them), right after the streams of
+the nodes rebuilt (a quarantined workload's own, refused at once, on the turn before); the
+rest ``CHUNK`` nodes at a time, each chunk on the next turn of the event loop (``soon``), so
+between chunks the loop serves ACKs, /healthz and the API. A node asked for before its turn
+is brought up to date first (the cache's ``settle``): nobody reads a snapshot older than the
+state last published.
 """
 
 from __future__ import annotations
@@ -221,7 +223,14 @@ class XdsPublisher:
             self._queue(self._rest, node, changed_services, node in holders, False)
         if trust_changed and not everyone:
             self._schedule_trust_fanout()
-        self._pump()
+        soon = self._soon or _running_loop_soon()
+        if soon is not None and self._first and any(self._cache.watching(n) for n in nodes):
+            # the rebuilt nodes' streams were woken first (a quarantined workload's own stream
+            # is refused with a configuration admitting nobody): let them send before the
+            # first wave is patched, on the next turn
+            self._later(soon)
+        else:
+            self._pump()
 
     def _queue(
         self,
@@ -277,6 +286,10 @@ class XdsPublisher:
                 return
             if soon is not None:
                 break
+        self._later(soon)
+
+    def _later(self, soon: Soon) -> None:
+        """Pump on the next turn of the loop (one chain of callbacks, however many asked)."""
         if self._scheduled is None:
             token = self._scheduled = object()
             soon(lambda: self._next_chunk(token))

@@ -53,6 +53,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 import grpclib.const
@@ -95,6 +96,8 @@ with warnings.catch_warnings():
 log = logging.getLogger(__name__)
 
 _NONCES_KEPT = 8
+_TYPE_URLS: dict[str, TypeUrl] = {t.value: t for t in TypeUrl}
+_NOTHING: Mapping[str, bytes] = MappingProxyType({})
 
 
 class XdsMetrics(Protocol):
@@ -262,6 +265,7 @@ class DeltaSession:
         self._clock = clock
         self._versions = versions
         self._types: dict[TypeUrl, _DeltaType] = {}
+        self._ordered: list[tuple[TypeUrl, _DeltaType]] = []  # the types, in ADS order
         # clusters CDS updated before EDS was subscribed on this stream (a reconnect: the EDS
         # request, carrying versions the client holds, may come after the CDS answer)
         self._clusters_before_eds: set[str] | None = None
@@ -271,9 +275,8 @@ class DeltaSession:
     def on_request(self, req: DeltaDiscoveryRequest) -> bool:
         """Take in a request; False when it cannot make anything due (an ACK or NACK that
         changes no subscription): the stream need not look for responses."""
-        try:
-            type_url = TypeUrl(req.type_url)
-        except ValueError:
+        type_url = _TYPE_URLS.get(req.type_url)
+        if type_url is None:
             log.warning("node %s requested unsupported type %r", self.node, req.type_url)
             return False
         st = self._types.get(type_url)
@@ -287,6 +290,7 @@ class DeltaSession:
         answer = st is None or not req.response_nonce or bool(subscribe or unsubscribe)
         if st is None:
             st = self._types[type_url] = _DeltaType()
+            self._ordered = [(t, self._types[t]) for t in ADS_ORDER if t in self._types]
             # the legacy wildcard: a first request naming nothing (Envoy's CDS and LDS)
             if not subscribe and not unsubscribe and type_url in WILDCARD_TYPES:
                 st.wildcard = st.answer = True
@@ -406,17 +410,13 @@ class DeltaSession:
     def responses(self, snapshot: Snapshot) -> Iterator[bytes]:
         """Encoded DeltaDiscoveryResponses now due, in ADS order (a generator, as in
         :meth:`AdsSession.responses`)."""
-        for type_url in ADS_ORDER:
-            st = self._types.get(type_url)
-            if st is None:
-                continue
-            available = snapshot.get(type_url)
-            version = snapshot.version(type_url)
-            if (
-                not st.due
-                and not st.answer
-                and (available is st.seen or (version and version == st.seen_version))
-            ):
+        resources, versions = snapshot.resources, snapshot.versions
+        for type_url, st in self._ordered:
+            available = resources.get(type_url, _NOTHING)
+            if available is st.seen and not st.due and not st.answer:
+                continue  # the common case: a type this change did not touch
+            version = versions.get(type_url, "")
+            if not st.due and not st.answer and version and version == st.seen_version:
                 continue
             changed, removed = self._diff(st, available)
             answer = st.answer
@@ -455,6 +455,8 @@ def _text_field(number: int, text: str) -> bytes:
     """A length-delimited string field (number < 16)."""
     data = text.encode()
     n = len(data)
+    if n < 0x80:  # a nonce, a version: one byte of length
+        return bytes((number << 3 | 2, n)) + data
     size = bytearray()
     while n >= 0x80:
         size.append(n & 0x7F | 0x80)

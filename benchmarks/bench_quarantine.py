@@ -1,0 +1,152 @@
+"""Focused driver for bench_scale's quarantine figure (phase 3): one real control plane with N
+attested workloads and N mTLS ADS streams (bench_scale's scenario, no real Envoys), then the
+members of ``target`` (w1, w3, w5, w7) quarantined in turn through the ops API (from the fifth
+round on, each released and attested again first), each round measured as bench_scale measures
+it: control-plane CPU until every caller stream (N/2) has ACKed a response without that
+member's endpoint. Prints each round and the median.
+
+Run: ``python -m benchmarks.bench_quarantine --n 2000`` (``--py-spy DIR``: the last round is
+profiled with py-spy into ``DIR/quarantine-<victim>.txt``, folded stacks, and left out of the
+median; ``--controlplane-cmd``: the executable under test, as in bench_scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from benchmarks.bench_scale import TARGET_MEMBERS, Figures, MeshRun, Settings, log
+from benchmarks.scale_ads import raise_nofile
+from benchmarks.scale_proc import CLK_TCK, Profiler
+
+
+def user_sys(pid: int) -> tuple[float, float]:
+    """utime, stime of the process (s, 1/CLK_TCK steps): how much of it is the kernel's."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    parts = text[text.rindex(")") + 2 :].split()
+    return int(parts[11]) / CLK_TCK, int(parts[12]) / CLK_TCK
+
+
+async def rounds(
+    run: MeshRun, session: aiohttp.ClientSession, py_spy: Path | None, count: int
+) -> list[float]:
+    members = [w for w in run.mesh if w.name in {f"w{2 * k + 1}" for k in range(TARGET_MEMBERS)}]
+    cpus: list[float] = []
+    for k in range(count):
+        victim = members[k % len(members)]
+        profiled = py_spy is not None and k == count - 1
+        if k >= len(members):  # released and attested again: its endpoint is back
+            await run.cp.ops(session, "POST", f"/v1/admin/workloads/{victim.name}/release", {})
+            ok = await run.attest([{"workload": victim.name, "token": victim.token}], 1, 1, 60)
+            if ok != 1:
+                raise SystemExit(f"{victim.name} did not attest again")
+        await asyncio.sleep(1.5)  # the previous round's coalesced CRL fan-out is done by then
+        mark = {"cmd": "mark", "victim": ["127.0.0.1", victim.inbound_port]}
+        await asyncio.gather(*(w.call(mark) for w in run.ads))
+        meter = run.cp.meter()
+        await meter.settle()
+        prof = Profiler(py_spy if profiled else None, rate=500)
+        async with prof.phase(run.cp.pid, f"quarantine-{victim.name}"):
+            cpu0, us0 = meter.sample(), user_sys(run.cp.pid)
+            t0 = time.monotonic()
+            await run.cp.ops(
+                session, "POST", f"/v1/admin/workloads/{victim.name}/quarantine", {"reason": "b"}
+            )
+            t_ret = time.monotonic()
+            outs = await asyncio.gather(
+                *(w.call({"cmd": "wait_taken", "timeout": 120}) for w in run.ads)
+            )
+            cpu1, us1 = meter.sample(), user_sys(run.cp.pid)
+        taken = sum(o["taken"] for o in outs)
+        callers = sum(o["callers"] for o in outs)
+        touched = sum(o["noncallers_touched"] for o in outs)
+        last = max((o["last"] for o in outs if o["last"] is not None), default=t_ret)
+        cpu = meter.delta(cpu0, cpu1)
+        log(
+            f"quarantine {victim.name}: CPU {cpu:.3f} s (user {us1[0] - us0[0]:.2f}, "
+            f"sys {us1[1] - us0[1]:.2f}), ops call {t_ret - t0:.3f} s, "
+            f"-> last ACK {last - t_ret:.3f} s, taken {taken}/{callers}, "
+            f"{touched} non-callers touched{' (profiled)' if profiled else ''}"
+        )
+        if not profiled:
+            cpus.append(cpu)
+    return cpus
+
+
+async def amain(args: argparse.Namespace) -> None:
+    raise_nofile()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-quarantine-"))
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    s = Settings(
+        command=shlex.split(args.controlplane_cmd),
+        extra_flags=[],
+        workdir=workdir,
+        seed=os.urandom(8).hex(),
+        newcomers=0,
+        load_s=1.0,
+        ads_workers=4,
+        protocol=args.xds_protocol,
+        setup_timeout=3600,
+        phase_timeout=600,
+        quarantine_timeout=120,
+        first_attest_timeout=60,
+        attest_concurrency=4,
+        envoys=0,
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"
+    sim_key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    sim_pub.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    run = MeshRun(args.n, s, sim_key, sim_pub, envoys=0)
+    f = Figures()
+    try:
+        async with aiohttp.ClientSession() as session:
+            if not await run.setup(f) or not await run.open_streams(f, run.lean):
+                raise SystemExit(f"setup failed: {f.notes}")
+            log(f"N={args.n}: {f.values}")
+            cpus = await rounds(run, session, args.py_spy, args.rounds)
+    finally:
+        await run.close_workers()
+        run.shutdown()
+    print(
+        f"N={args.n} quarantine CPU s: median {statistics.median(cpus):.3f} "
+        f"of {[round(c, 3) for c in cpus]} (workdir {workdir})",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quarantine")
+    p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--xds-protocol", choices=("delta", "sotw"), default="delta")
+    p.add_argument("--controlplane-cmd", default=str(Path(sys.executable).parent / "attestmesh"))
+    p.add_argument("--rounds", type=int, default=8, help="quarantines measured")
+    p.add_argument("--py-spy", type=Path, help="profile the last round into this directory")
+    p.add_argument("--workdir", type=Path)
+    asyncio.run(amain(p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
