@@ -875,9 +875,10 @@ class Leadership:
     """Exactly one leader among the replicas on one database: the replica whose connection
     holds the session advisory lock ``LEADER_LOCK``. A thread tries to take it every
     ``interval_seconds`` and, while leading, checks its connection as often; a leader that
-    dies (its connection closes: kill -9 included) or is cut off (server-side TCP keepalives
-    end its session within ~11 s) loses the lock, and the next try of another replica takes
-    it. ``is_leader`` turns False as soon as this replica's own check fails.
+    dies (its connection closes: kill -9 included), is cut off (server-side TCP keepalives
+    end its session within ~11 s) or freezes (``idle_session_timeout``: 5 intervals, at least
+    5 s) loses the lock, and the next try of another replica takes it. ``is_leader`` turns
+    False as soon as this replica's own check fails.
 
     ``eligible`` (Kubernetes mode: "this replica holds the Lease"): the lock is taken only while
     it says yes, and given up within an interval once it says no, so the replica that acts on
@@ -893,6 +894,11 @@ class Leadership:
     ) -> None:
         self.url = url
         self._interval = interval_seconds
+        # a leader whose process is frozen (SIGSTOP, a paused VM) still answers TCP keepalives
+        # from its kernel; the server ends its session once it has sent nothing for this long
+        # (it checks every interval), which frees the lock. Above ``leading``'s 2 intervals,
+        # so the frozen one has stopped acting by then.
+        self._frozen_after_ms = int(max(5.0, 5 * interval_seconds) * 1000)
         self._on_change = on_change
         self._eligible = eligible
         self._closed = threading.Event()
@@ -937,8 +943,12 @@ class Leadership:
                     application_name=f"attestmesh-leader {os.getpid()}",
                     **LIVENESS,
                 ) as conn:
-                    for setting in ("tcp_keepalives_idle = 5", "tcp_keepalives_interval = 2",
-                                    "tcp_keepalives_count = 3"):  # fmt: skip
+                    for setting in (
+                        "tcp_keepalives_idle = 5",
+                        "tcp_keepalives_interval = 2",
+                        "tcp_keepalives_count = 3",
+                        f"idle_session_timeout = {self._frozen_after_ms}",
+                    ):
                         conn.execute(f"SET {setting}".encode())
                     while not self._closed.is_set():
                         eligible = self._eligible is None or self._eligible()
@@ -949,8 +959,8 @@ class Leadership:
                         elif self.is_leader:
                             conn.execute("SELECT 1")
                             self.confirmed_at = time.monotonic()
-                        elif not eligible:
-                            pass  # another replica holds the Lease: leave the lock to it
+                        elif not eligible:  # another holds the Lease: leave the lock to it
+                            conn.execute("SELECT 1")  # (a used session is not ended)
                         else:
                             got = conn.execute(
                                 "SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)

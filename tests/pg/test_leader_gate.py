@@ -4,6 +4,7 @@ one replica does all the leader's work (Kubernetes actions, CA rotation, the CRL
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -47,3 +48,37 @@ def test_without_a_gate_the_first_to_try_leads(pg_url: str) -> None:
         until(lambda: a.leading)
     finally:
         a.close()
+
+
+def test_a_frozen_leader_loses_the_lock_and_stops_acting_first(pg_url: str) -> None:
+    """A leader whose process stops (SIGSTOP, a paused VM) keeps its TCP connection alive (its
+    kernel answers keepalives); its election thread blocked between two checks is the same to
+    the server: a session that sends nothing. The server ends it (idle_session_timeout), the
+    other replica takes the lock, and the frozen one had stopped acting before."""
+    frozen, thaw = threading.Event(), threading.Event()
+
+    def a_eligible() -> bool:
+        if frozen.is_set():
+            thaw.wait(60)
+        return True
+
+    a = Leadership(pg_url, interval_seconds=0.2, eligible=a_eligible).start()
+    b = Leadership(pg_url, interval_seconds=0.2)
+    try:
+        until(lambda: a.leading)
+        b.start()
+        time.sleep(0.6)
+        assert a.leading and not b.is_leader
+        frozen.set()
+        until(lambda: not a.leading, timeout=2.0)  # stops acting within two intervals
+        assert not b.is_leader
+        until(lambda: b.leading, timeout=15.0)  # the server ended A's session (5 s)
+        assert not a.leading  # never two acting at once
+        thaw.set()  # A wakes up: its session is gone, it finds B leading and follows
+        until(lambda: not a.is_leader)
+        time.sleep(0.6)
+        assert b.leading and not a.is_leader
+    finally:
+        thaw.set()
+        a.close()
+        b.close()
