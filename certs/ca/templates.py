@@ -134,8 +134,15 @@ def build_leaf(
 def build_crl(
     issuer: Issuer, revoked: Iterable[tuple[int, datetime]], now: datetime, next_update: timedelta
 ) -> x509.CertificateRevocationList:
+    # The entries go to the builder's constructor in one list: ``add_revoked_certificate``
+    # copies the list it has so far for every entry (O(n^2): 20,000 entries took 0.6 s, all of
+    # it holding the GIL on a worker thread while the event loop waited).
+    entries = [
+        x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(revoked_at).build()
+        for serial, revoked_at in sorted(revoked)
+    ]
     builder = (
-        x509.CertificateRevocationListBuilder()
+        x509.CertificateRevocationListBuilder(revoked_certificates=entries)
         .issuer_name(issuer.cert.subject)
         .last_update(now - BACKDATE)
         .next_update(now + next_update)
@@ -144,13 +151,6 @@ def build_crl(
             critical=False,
         )
     )
-    for serial, revoked_at in sorted(revoked):
-        builder = builder.add_revoked_certificate(
-            x509.RevokedCertificateBuilder()
-            .serial_number(serial)
-            .revocation_date(revoked_at)
-            .build()
-        )
     return builder.sign(issuer.key, hashes.SHA256())
 
 

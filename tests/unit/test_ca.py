@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import base64
 import stat
-from datetime import timedelta
+from datetime import timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -307,6 +307,37 @@ def test_crl_lists_revoked_serials_and_is_signed_by_the_intermediate(
     assert crl.next_update_utc == NOW + timedelta(hours=24)
     pem_crl = x509.load_pem_x509_crl(ca.crl_pem(revoked, NOW, timedelta(hours=24)))
     assert sorted(r.serial_number for r in pem_crl) == [7, 2**100 + 5]
+
+
+def test_crl_entries_are_what_adding_them_one_by_one_encodes(ca: CertificateAuthority) -> None:
+    """The entries are handed to the builder in one list (adding them one by one copied the
+    list per entry, quadratic): the signed content is the same, sorted by serial, each date
+    converted to UTC (an aware date in another zone included)."""
+    east = timezone(timedelta(hours=5, minutes=30))
+    revoked = [(s, (NOW - timedelta(seconds=s % 997)).astimezone(east)) for s in range(3000, 1, -7)]
+    crl = build_crl(ca.intermediate, revoked, NOW, timedelta(hours=1))
+    one_by_one = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.intermediate.cert.subject)
+        .last_update(NOW - BACKDATE)
+        .next_update(NOW + timedelta(hours=1))
+        .add_extension(ca.intermediate.key_identifier, critical=False)
+    )
+    for serial, at in sorted(revoked):
+        one_by_one = one_by_one.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(at).build()
+        )
+    expected = one_by_one.sign(ca.intermediate.key, hashes.SHA256())
+    assert crl.tbs_certlist_bytes == expected.tbs_certlist_bytes
+    assert [r.serial_number for r in crl] == sorted(s for s, _ in revoked)
+    entry = crl.get_revoked_certificate_by_serial_number(3000)
+    assert entry is not None and entry.revocation_date_utc == NOW - timedelta(seconds=3000 % 997)
+    assert crl.is_signature_valid(ca.intermediate.key.public_key())
+
+
+def test_crl_refuses_a_serial_out_of_range(ca: CertificateAuthority) -> None:
+    with pytest.raises(ValueError):
+        build_crl(ca.intermediate, [(0, NOW)], NOW, timedelta(hours=1))
 
 
 def test_empty_crl_is_valid(ca: CertificateAuthority) -> None:
