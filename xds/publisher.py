@@ -44,7 +44,7 @@ from xds.cache import SnapshotCache
 from xds.index import Identity, MeshIndex, affected_by, changed_names, principal_of
 from xds.meshpolicy import MeshPolicy, destinations_by_source
 from xds.resources import INBOUND_ROUTE, MESH_TRUST, TypeUrl, outbound_name
-from xds.state import Event, MeshState, ServiceKey, Status, resolve_service
+from xds.state import Event, MeshState, Registration, ServiceKey, Status, resolve_service
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,30 @@ class XdsPublisher:
             return
         index = shared.index
         secret: dict[TypeUrl, dict[str, bytes]] | None = None
+        # the clusters and endpoints a node takes: the same for every node calling the same
+        # services from the same namespace (every caller of a service), looked up once
+        per_services: dict[object, dict[TypeUrl, dict[str, bytes]]] = {}
+
+        def services_part(
+            reg: Registration, attested: bool, services: frozenset[ServiceKey]
+        ) -> dict[TypeUrl, dict[str, bytes]]:
+            key = (reg.namespace, tuple(reg.outbound), attested, services)
+            hit = per_services.get(key)
+            if hit is not None:
+                return hit
+            hit = per_services[key] = {}
+            for spelled in reg.outbound:
+                service = resolve_service(reg.namespace, spelled)
+                if service not in services:
+                    continue
+                name = outbound_name(spelled)
+                hit.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(
+                    service, spelled
+                )
+                if attested:
+                    eds = shared.endpoints(service, spelled)
+                    hit.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
+            return hit
 
         def patch(node: str, snapshot: Snapshot) -> Snapshot:
             nonlocal secret
@@ -329,22 +353,13 @@ class XdsPublisher:
                     return snapshot
                 reg = w.registration
                 attested = w.status is Status.ATTESTED
-                for spelled in reg.outbound if refresh.services else ():
-                    key = resolve_service(reg.namespace, spelled)
-                    if key not in refresh.services:
-                        continue
-                    name = outbound_name(spelled)
-                    changes.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(
-                        key, spelled
-                    )
-                    if attested:
-                        eds = shared.endpoints(key, spelled)
-                        changes.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
+                if refresh.services and reg.outbound:
+                    changes = services_part(reg, attested, refresh.services)
                 if attested and refresh.routes:
                     routes = shared.inbound_routes(principal_of(reg))
-                    changes[TypeUrl.ROUTE] = {INBOUND_ROUTE: routes}
+                    changes = {**changes, TypeUrl.ROUTE: {INBOUND_ROUTE: routes}}
             if secret is not None and refresh.secret:
-                changes.update(secret)
+                changes = {**changes, **secret}
             new = snapshot.patched(changes) if changes else snapshot
             self.patched_nodes += new is not snapshot
             self.wake_order.append(node)
