@@ -287,7 +287,7 @@ class _Admission(asyncio.Protocol):
         lst = self._listener
         try:
             raw = transport.get_extra_info("socket")
-            sock = socket.socket(fileno=os.dup(raw.fileno()))
+            sock = socket.socket(raw.family, raw.type, raw.proto, os.dup(raw.fileno()))
             sock.setblocking(False)
             tls = _SocketTLS(
                 _Guard(lst, lst.app_factory()),
@@ -400,6 +400,32 @@ class _LeanSSLProtocol(sslproto.SSLProtocol):
                 lst.report(CloseReason.HANDSHAKE_TIMEOUT)
 
 
+class _TLSConnection(Protocol):
+    """What ``SSLContext._wrap_socket`` returns (CPython's ``_ssl._SSLSocket``): OpenSSL's
+    connection on a socket, without ``ssl.SSLSocket``'s Python object around it."""
+
+    def do_handshake(self) -> None: ...
+
+    def read(self, size: int, /) -> bytes: ...
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def getpeercert(self, binary_form: bool = False, /) -> Any: ...
+
+    def cipher(self) -> tuple[str, str, int] | None: ...
+
+    def shutdown(self) -> object: ...
+
+
+def _server_connection(ctx: _ssl.SSLContext, sock: socket.socket) -> _TLSConnection:
+    """A server-side TLS connection on ``sock`` (non-blocking: the calls raise SSLWantRead/
+    WriteError). CPython's ``SSLContext._wrap_socket`` (3.7+; what ``ssl.SSLSocket`` is made
+    of) keeps a weak reference to ``sock``: the caller holds it. ``ssl.SSLSocket`` would add a
+    Python object with a ``__dict__`` (~1 KB per connection) and five system calls."""
+    wrap = ctx._wrap_socket  # type: ignore[attr-defined]  # checked by tests/component/test_listen.py
+    return wrap(sock, True, None)  # type: ignore[no-any-return]
+
+
 _TLS_CHUNK = 16_384  # plaintext given to one SSL_write: what a retry after EAGAIN repeats
 _READ_BUDGET = 262_144  # plaintext read in one readiness callback before yielding to the loop
 
@@ -454,7 +480,7 @@ class _SocketTLS(asyncio.Transport):
         self._listener = listener
         self._source = source
         self._sock: socket.socket | None = sock
-        self._ssl: _ssl.SSLSocket | None = None
+        self._ssl: _TLSConnection | None = None
         self._fd = sock.fileno()
         self._peer = peername
         self._deadline = loop.time() + listener.limits.handshake_timeout
@@ -485,14 +511,10 @@ class _SocketTLS(asyncio.Transport):
             sock, ctx = self._sock, self._listener.tls
             if sock is None or ctx is None:
                 return
-            self._sock = None
             try:
-                tls = self._ssl = ctx.wrap_socket(
-                    sock, server_side=True, do_handshake_on_connect=False
-                )
+                tls = self._ssl = _server_connection(ctx, sock)
             except (_ssl.SSLError, OSError) as exc:
                 log.debug("TLS setup failed: %s", exc)
-                sock.close()
                 self._abort(exc)
                 return
         if not self._ready:
@@ -522,6 +544,9 @@ class _SocketTLS(asyncio.Transport):
                 break
             except _ssl.SSLWantWriteError:
                 break  # a post-handshake message waits for the socket: reading resumes
+            except _ssl.SSLEOFError:
+                eof = True  # the TCP connection ended without close_notify
+                break
             except (_ssl.SSLError, OSError) as exc:
                 log.debug("TLS read failed: %s", exc)
                 self._abort(exc)
@@ -615,9 +640,8 @@ class _SocketTLS(asyncio.Transport):
             loop.remove_writer(self._fd)
         self._backlog.clear()
         self._backlog_size = 0
-        for s in (self._ssl, self._sock):
-            if s is not None:
-                s.close()
+        if self._sock is not None:
+            self._sock.close()
         loop.call_soon(self._connection_lost, exc)
 
     def _finish(self) -> None:
@@ -626,7 +650,7 @@ class _SocketTLS(asyncio.Transport):
         tls = self._ssl
         if tls is not None and self._ready and not self._lost:
             with contextlib.suppress(_ssl.SSLError, OSError, ValueError):
-                tls.unwrap()
+                tls.shutdown()
         self._abort(None)
 
     def _connection_lost(self, exc: BaseException | None) -> None:
@@ -699,7 +723,7 @@ class _SocketTLS(asyncio.Transport):
         if name == "peername":
             return self._peer
         if name == "socket":
-            return tls if tls is not None else self._sock
+            return self._sock
         return default
 
     def get_write_buffer_size(self) -> int:
