@@ -58,7 +58,8 @@ _NO_SERVICES: frozenset[ServiceKey] = frozenset()
 
 class _Refresh:
     """What a held snapshot still has to take from the shared resources (read when it is
-    patched, so a refresh queued by an older publish brings the newest value)."""
+    patched, so a refresh queued by an older publish brings the newest value). Never changed
+    once made: one is shared by every node queued with the same needs."""
 
     __slots__ = ("routes", "secret", "services")
 
@@ -67,11 +68,20 @@ class _Refresh:
         self.routes = routes
         self.secret = secret
 
-    def merge(self, services: frozenset[ServiceKey], routes: bool, secret: bool) -> None:
-        if services and not services <= self.services:
-            self.services = self.services | services
-        self.routes = self.routes or routes
-        self.secret = self.secret or secret
+    def merged(self, other: _Refresh) -> _Refresh:
+        """What both need (``self`` if it covers ``other``)."""
+        if (
+            (not other.services or other.services <= self.services)
+            and (self.routes or not other.routes)
+            and (self.secret or not other.secret)
+        ):
+            return self
+        return _Refresh(
+            self.services | other.services, self.routes or other.routes, self.secret or other.secret
+        )
+
+
+_SECRET_ONLY = _Refresh(_NO_SERVICES, False, True)
 
 
 def _running_loop_soon() -> Soon | None:
@@ -216,11 +226,15 @@ class XdsPublisher:
         first -= nodes
         rest -= nodes | first
         changed_services = frozenset(services)
+        # the refreshes queued, one per combination of needs (shared by the nodes queued)
+        first_holder = _Refresh(changed_services, True, everyone or trust_changed)
+        first_other = _Refresh(changed_services, policies_changed, everyone)
         for node in first:
-            self._queue(self._first, node, changed_services, policies_changed or node in holders,
-                        everyone or (trust_changed and node in holders))  # fmt: skip
+            self._queue(self._first, node, first_holder if node in holders else first_other)
+        rest_holder = _Refresh(changed_services, True, False)
+        rest_other = _Refresh(changed_services, False, False)
         for node in rest:
-            self._queue(self._rest, node, changed_services, node in holders, False)
+            self._queue(self._rest, node, rest_holder if node in holders else rest_other)
         if trust_changed and not everyone:
             self._schedule_trust_fanout()
         soon = self._soon or _running_loop_soon()
@@ -236,9 +250,7 @@ class XdsPublisher:
         self,
         queue: dict[str, _Refresh],
         node: str,
-        services: frozenset[ServiceKey],
-        routes: bool,
-        secret: bool,
+        needs: _Refresh,
     ) -> None:
         """Queue ``node``'s held snapshot for a patch (nothing held: it is built from the
         current state when asked for). A node already queued keeps its place (in the first
@@ -253,10 +265,11 @@ class XdsPublisher:
                 self._first[node] = refresh
                 self._first_order.append(node)
         if refresh is None:
-            queue[node] = _Refresh(services, routes, secret)
+            queue[node] = needs
             (self._first_order if queue is self._first else self._rest_order).append(node)
         else:
-            refresh.merge(services, routes, secret)
+            where = self._first if node in self._first else self._rest
+            where[node] = refresh.merged(needs)
 
     def _drop(self, node: str) -> None:
         self._first.pop(node, None)
@@ -382,12 +395,16 @@ class XdsPublisher:
         before = self.patched_nodes
         first, rest, order = self._first, self._rest, self._rest_order
         for node in self._cache.held():  # held nodes only: no check per node
-            refresh = first.get(node) or rest.get(node)
+            refresh = first.get(node)
+            if refresh is not None:
+                first[node] = refresh.merged(_SECRET_ONLY)
+                continue
+            refresh = rest.get(node)
             if refresh is None:
-                rest[node] = _Refresh(_NO_SERVICES, False, True)
+                rest[node] = _SECRET_ONLY
                 order.append(node)
             else:
-                refresh.secret = True
+                rest[node] = refresh.merged(_SECRET_ONLY)
         self._pump()
         self.fanned_out = self.patched_nodes - before  # patched so far (all of them: no loop)
 
