@@ -1,0 +1,181 @@
+"""``start_h2``'s TLS on the socket itself (``attestmesh.listen._SocketTLS``) on real sockets:
+a write larger than the socket buffers arrives whole and in order, the application is paused
+while the peer does not read and resumed when it does, a peer that never reads is closed by
+the write timeout, ``close`` sends what was written first, and a peer that drops the TCP
+connection ends it. The seam on CPython (``SSLContext._wrap_socket``) is checked here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import trustme
+
+from attestmesh.listen import CloseReason, Listener, ListenLimits, start_h2
+
+PAYLOAD = os.urandom(4 * 2**20)  # far more than the socket buffers hold
+LIMITS = ListenLimits(write_timeout=30, idle_timeout=30, body_timeout=30, header_timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+class Blob(asyncio.Protocol):
+    """Sends PAYLOAD when the client writes ``go`` (eight times: ``flood``); ``bye``: last
+    words, then close."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.paused = 0
+        self.resumed = 0
+        self.lost = False
+
+    def listen_phase(self) -> tuple[bool, object]:
+        return True, 0  # always busy: no idle timeout in the way
+
+    def listen_body(self) -> float | None:
+        return None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        if b"go" in data:
+            self.transport.write(PAYLOAD)
+        if b"flood" in data:  # more than the kernel's buffers on both sides can take
+            for _ in range(8):
+                self.transport.write(PAYLOAD)
+        if b"bye" in data:
+            self.transport.write(b"last words")
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        self.paused += 1
+
+    def resume_writing(self) -> None:
+        self.resumed += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
+class Service:
+    def __init__(self) -> None:
+        self.conns: list[Blob] = []
+        self.servers: list[asyncio.Server] = []
+
+    def configure(self, **_: object) -> None:
+        pass
+
+    def protocol(self, report: Callable[[str], None] | None) -> asyncio.Protocol:
+        blob = Blob()
+        self.conns.append(blob)
+        return blob
+
+    def serving(self, server: asyncio.Server) -> None:
+        self.servers.append(server)
+
+
+@asynccontextmanager
+async def served(
+    ca: trustme.CA, limits: ListenLimits = LIMITS
+) -> AsyncIterator[tuple[Service, Listener, list[CloseReason]]]:
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(tls)
+    service = Service()
+    seen: list[CloseReason] = []
+    lst = await start_h2(
+        service, "127.0.0.1", 0, ssl=tls, limits=limits, on_refused=lambda _, r: seen.append(r)
+    )
+    try:
+        yield service, lst, seen
+    finally:
+        for conn in service.conns:
+            if conn.transport is not None:
+                conn.transport.abort()
+        for server in service.servers:
+            server.close()
+            await server.wait_closed()
+
+
+async def connect(ca: trustme.CA, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    return await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
+
+
+async def until(check: Callable[[], bool], within: float = 5.0) -> None:
+    async with asyncio.timeout(within):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+def test_the_cpython_seam_exists() -> None:
+    assert callable(getattr(ssl.SSLContext, "_wrap_socket", None))
+
+
+async def test_a_large_write_arrives_whole_and_in_order_and_pauses_the_application(
+    ca: trustme.CA,
+) -> None:
+    async with served(ca) as (service, lst, seen):
+        reader, writer = await connect(ca, lst.port)
+        writer.transport.pause_reading()
+        writer.write(b"go")
+        await until(lambda: bool(service.conns) and service.conns[0].paused > 0)
+        blob = service.conns[0]
+        assert blob.transport is not None
+        assert blob.transport.get_write_buffer_size() > 0
+        assert blob.resumed == 0
+        writer.transport.resume_reading()
+        async with asyncio.timeout(10):
+            got = await reader.readexactly(len(PAYLOAD))
+        assert got == PAYLOAD
+        await until(lambda: blob.resumed == blob.paused)
+        assert blob.transport.get_write_buffer_size() == 0
+        assert blob.transport.get_extra_info("cipher") is not None
+        assert blob.transport.get_extra_info("peername")[0] == "127.0.0.1"
+        assert lst.stats().open == 1 and not seen
+        writer.close()
+        await until(lambda: blob.lost)
+        assert lst.stats().open == 0 and not seen
+
+
+async def test_a_peer_that_never_reads_is_closed_by_the_write_timeout(ca: trustme.CA) -> None:
+    limits = ListenLimits(write_timeout=0.5, idle_timeout=30, body_timeout=30, header_timeout=30)
+    async with served(ca, limits) as (service, lst, seen):
+        _, writer = await connect(ca, lst.port)
+        writer.transport.pause_reading()
+        writer.write(b"flood")
+        await until(lambda: bool(service.conns) and service.conns[0].lost)
+        assert seen == [CloseReason.WRITE_TIMEOUT]
+        assert lst.stats().open == 0
+        writer.close()
+
+
+async def test_close_sends_what_was_written_then_ends_the_connection(ca: trustme.CA) -> None:
+    async with served(ca) as (service, lst, seen):
+        reader, writer = await connect(ca, lst.port)
+        writer.write(b"bye")
+        async with asyncio.timeout(5):
+            assert await reader.read() == b"last words"  # then EOF (close_notify)
+        await until(lambda: service.conns[0].lost)
+        assert lst.stats().open == 0 and not seen
+        writer.close()
+
+
+async def test_a_peer_that_drops_the_tcp_connection_ends_it(ca: trustme.CA) -> None:
+    async with served(ca) as (service, lst, seen):
+        _, writer = await connect(ca, lst.port)
+        writer.write(b"hello")
+        await until(lambda: bool(service.conns) and service.conns[0].transport is not None)
+        writer.transport.abort()
+        await until(lambda: service.conns[0].lost)
+        assert lst.stats().open == 0 and not seen
