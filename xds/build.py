@@ -158,8 +158,11 @@ _NO_RESOURCES: Mapping[str, bytes] = MappingProxyType({})
 # destination's routes, the trust secret): equal mappings are interned, so the nodes that
 # hold one share it and its version, and a patch of it is computed once for all of them.
 _SHARED_TYPES = frozenset({TypeUrl.ENDPOINT, TypeUrl.ROUTE, TypeUrl.SECRET})
-_INTERN_MAX = 16_384  # distinct interned mappings kept (cleared when full: cost, not meaning)
-_PATCHES_MAX = 4_096
+# Both memos are cleared when full (cost, not meaning): at most this many entries, and about
+# this many bytes of resources they hold (a trust secret with a long CRL is large, and every
+# CRL change makes another; the snapshots share the live ones)
+_MEMO_ENTRIES = 4_096
+_MEMO_BYTES = 16 << 20
 _interned: dict[tuple[TypeUrl, tuple[tuple[str, bytes], ...]], tuple[Mapping[str, bytes], str]]
 _interned = {}
 # (id of the mapping patched, the replacement's items) -> (that mapping, the patched one or
@@ -168,11 +171,28 @@ _patches: dict[
     tuple[int, tuple[tuple[str, bytes], ...]],
     tuple[Mapping[str, bytes], Mapping[str, bytes] | None, str],
 ] = {}
+_memo_bytes = 0
+
+
+def _remember(resources: Mapping[str, bytes]) -> None:
+    """Room for one more memo entry holding ``resources`` (both memos cleared if there is
+    none)."""
+    global _memo_bytes
+    size = sum(len(b) for b in resources.values())
+    if (
+        len(_interned) >= _MEMO_ENTRIES
+        or len(_patches) >= _MEMO_ENTRIES
+        or _memo_bytes + size > _MEMO_BYTES
+    ):
+        _interned.clear()
+        _patches.clear()
+        _memo_bytes = 0
+    _memo_bytes += size
 
 
 def _frozen(t: TypeUrl, resources: Mapping[str, bytes]) -> tuple[Mapping[str, bytes], str]:
-    """A read-only copy of ``resources`` and its version (shared with every equal mapping of
-    a shared type: the same names in the same order, the very same bytes objects)."""
+    """A read-only copy of ``resources`` and its version, for a shared type the one shared
+    by every equal mapping (the same names in the same order, equal bytes)."""
     if t not in _SHARED_TYPES:
         frozen = MappingProxyType(dict(resources))
         return frozen, content_version(frozen)
@@ -180,8 +200,7 @@ def _frozen(t: TypeUrl, resources: Mapping[str, bytes]) -> tuple[Mapping[str, by
     hit = _interned.get(key)
     if hit is None:
         frozen = MappingProxyType(dict(resources))
-        if len(_interned) >= _INTERN_MAX:
-            _interned.clear()
+        _remember(frozen)
         hit = _interned[key] = (frozen, content_version(frozen))
     return hit
 
@@ -244,8 +263,7 @@ class Snapshot:
                 hit = _patches.get(key)
                 if hit is None or hit[0] is not current:
                     hit = (current, *_merge(t, current, replacement))
-                    if len(_patches) >= _PATCHES_MAX:
-                        _patches.clear()
+                    _remember(current)
                     _patches[key] = hit
                 merged, version = hit[1], hit[2]
             else:

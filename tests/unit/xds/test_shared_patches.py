@@ -98,3 +98,19 @@ def test_delta_responses_framed_once_parse_as_encoded_per_stream() -> None:
             version, TypeUrl.ENDPOINT, nonce, changed, ["gone"]
         )
         assert DeltaDiscoveryResponse.parse(got) == DeltaDiscoveryResponse.parse(want)
+
+
+def test_the_memos_stay_bounded_by_entries_and_bytes() -> None:
+    from xds import build
+
+    big = b"c" * (1 << 20)  # a trust secret with a long CRL
+    snap = build.Snapshot.of({TypeUrl.SECRET: {"mesh-trust": big + b"0"}})
+    for i in range(1, 40):  # every CRL change makes another
+        snap = snap.patched({TypeUrl.SECRET: {"mesh-trust": big + str(i).encode()}})
+        assert build._memo_bytes <= build._MEMO_BYTES
+        assert len(build._interned) <= build._MEMO_ENTRIES
+        assert len(build._patches) <= build._MEMO_ENTRIES
+    assert snap.get(TypeUrl.SECRET)["mesh-trust"] == big + b"39"
+    for i in range(2 * build._MEMO_ENTRIES):
+        build.Snapshot.of({TypeUrl.ENDPOINT: {f"out|s{i}": b"x"}})
+        assert len(build._interned) <= build._MEMO_ENTRIES
