@@ -21,7 +21,8 @@ One frozen ``ListenLimits`` configures every listener (attestation API, xDS, ops
 Connections closed by a timeout are reported to ``on_refused`` too, with the timeout as the
 reason. This module imports no metrics library: the caller maps reasons to counters.
 
-Seams on foreign internals, each checked by tests/component/test_listen.py:
+Seams on foreign internals, each checked by tests/component/test_listen.py (and
+test_listen_socket_tls.py): CPython's ``SSLContext._wrap_socket`` (``_SocketTLS``),
 ``asyncio.sslproto.SSLProtocol`` (Python 3.11-3.13: its constructor and ``max_size``), grpclib
 0.4's ``Server`` (``_protocol_factory``, ``_server``, ``_server_closed_fut``) and ``H2Protocol``,
 and aiohttp 3's ``RequestHandler`` state (request count, request in progress, current request).
@@ -90,7 +91,8 @@ class ListenLimits:
     source (IPv4 address, IPv6 /64) holds at most ``max_connections_per_source``. Measured per
     connection in the real process (benchmarks/bench_connections.py, defaults): TCP to a TLS
     port with no byte ~2 KB, a stalled TLS handshake ~59 KB, a silent TLS connection ~34 KB, a
-    partial header ~34 KB, a dripped body ~41 KB, an idle mTLS ADS stream ~80 KB."""
+    partial header ~34 KB, a dripped body ~41 KB, an idle mTLS ADS stream ~38 KB (about 26 KB
+    of it OpenSSL's: the SSL object and the client's parsed certificate chain)."""
 
     handshake_timeout: float = 10.0  # accept -> TLS handshake complete (also TLS shutdown)
     header_timeout: float = 10.0  # first byte of a request -> its complete header
