@@ -50,9 +50,7 @@ from xds.server import (
     AdsSession,
     DeltaSession,
     PeerIdentity,
-    StillAllowed,
     peer_identity,
-    still_allowed_for,
 )
 
 log = logging.getLogger(__name__)
@@ -114,7 +112,6 @@ class _Call:
         "session",
         "sid",
         "started",
-        "still_allowed",
         "timer",
         "wake",
         "watch_cm",
@@ -127,7 +124,6 @@ class _Call:
         self.node = ""
         self.wake: _Wake | None = None
         self.watch_cm: contextlib.AbstractContextManager[Watch] | None = None
-        self.still_allowed: StillAllowed | None = None
         self.timer: asyncio.TimerHandle | None = None  # the first request must come before it
         self.deadline: asyncio.TimerHandle | None = None  # grpc-timeout
         self.started = False  # response headers sent
@@ -481,7 +477,6 @@ class AdsConnection(asyncio.Protocol):
         )
         call.session.on_request(req)
         cache: SnapshotCache = ads.cache
-        call.still_allowed = still_allowed_for(ads.authorize, self._peer_identity())
         call.watch_cm = cache.watch(node)
         watch = call.watch_cm.__enter__()
         call.opened = True
@@ -517,7 +512,10 @@ class AdsConnection(asyncio.Protocol):
         h2 = self._h2
         if h2 is None or self._calls.get(call.sid) is not call:
             return
-        if call.still_allowed is not None and not call.still_allowed(call.node):
+        # the stream's client is re-checked on every push (what xds.server.still_allowed_for
+        # does, without a closure per stream): the connection's one peer identity
+        authorize = self._server.ads.authorize
+        if authorize is not None and not authorize(call.node, self._peer_identity()):
             self._send_final(call, h2)
             self._end(
                 call.sid,
