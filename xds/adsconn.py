@@ -31,6 +31,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from cryptography import x509
+
 from xds import sync_status
 from xds.adswire import WireError, decode_delta, decode_sotw
 from xds.cache import SnapshotCache, Watch
@@ -50,7 +52,6 @@ from xds.server import (
     AdsSession,
     DeltaSession,
     PeerIdentity,
-    peer_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,25 @@ def parse_grpc_timeout(value: bytes) -> float | None:
         return None
     unit = _TIMEOUT_UNITS.get(value[-1:])
     return None if unit is None else int(value[:-1]) * unit
+
+
+def identity_of(der: bytes) -> PeerIdentity:
+    """The URI SANs and serial of a verified client certificate (DER), what
+    :func:`xds.server.peer_identity` reads from ``getpeercert()``'s dict, parsed by
+    ``cryptography`` (~25 us for a mesh leaf; the dict, every field of the certificate
+    decoded into Python objects, costs ~2.5x that). A certificate it cannot parse has no
+    identity (nothing is authorized for it)."""
+    try:
+        cert = x509.load_der_x509_certificate(der)
+        serial = cert.serial_number
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            return PeerIdentity((), serial)
+        uris = tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
+    except (ValueError, x509.DuplicateExtension, x509.UnsupportedGeneralNameType):
+        return PeerIdentity((), None)
+    return PeerIdentity(uris, serial)
 
 
 class _Wake:
@@ -319,8 +339,9 @@ class AdsConnection(asyncio.Protocol):
     def _peer_identity(self) -> PeerIdentity:
         if self._peer is None:
             transport = self._transport
-            cert = None if transport is None else transport.get_extra_info("peercert")
-            self._peer = peer_identity(cert)
+            tls = None if transport is None else transport.get_extra_info("ssl_object")
+            der = None if tls is None else tls.getpeercert(True)
+            self._peer = identity_of(der) if isinstance(der, bytes) else PeerIdentity((), None)
         return self._peer
 
     def _trailers_only(self, sid: int, status: int, message: str) -> None:

@@ -112,6 +112,12 @@ async def connect(ca: trustme.CA, port: int) -> tuple[asyncio.StreamReader, asyn
     return await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
 
 
+def reading(writer: asyncio.StreamWriter, on: bool) -> None:
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport)
+    transport.resume_reading() if on else transport.pause_reading()
+
+
 async def until(check: Callable[[], bool], within: float = 5.0) -> None:
     async with asyncio.timeout(within):
         while not check():
@@ -127,14 +133,14 @@ async def test_a_large_write_arrives_whole_and_in_order_and_pauses_the_applicati
 ) -> None:
     async with served(ca) as (service, lst, seen):
         reader, writer = await connect(ca, lst.port)
-        writer.transport.pause_reading()
+        reading(writer, False)
         writer.write(b"go")
         await until(lambda: bool(service.conns) and service.conns[0].paused > 0)
         blob = service.conns[0]
         assert blob.transport is not None
         assert blob.transport.get_write_buffer_size() > 0
         assert blob.resumed == 0
-        writer.transport.resume_reading()
+        reading(writer, True)
         async with asyncio.timeout(10):
             got = await reader.readexactly(len(PAYLOAD))
         assert got == PAYLOAD
@@ -152,7 +158,7 @@ async def test_a_peer_that_never_reads_is_closed_by_the_write_timeout(ca: trustm
     limits = ListenLimits(write_timeout=0.5, idle_timeout=30, body_timeout=30, header_timeout=30)
     async with served(ca, limits) as (service, lst, seen):
         _, writer = await connect(ca, lst.port)
-        writer.transport.pause_reading()
+        reading(writer, False)
         writer.write(b"flood")
         await until(lambda: bool(service.conns) and service.conns[0].lost)
         assert seen == [CloseReason.WRITE_TIMEOUT]
