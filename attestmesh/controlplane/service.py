@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import hmac
 import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
@@ -30,6 +28,7 @@ from attestmesh.controlplane.ports import (
     Publisher,
     Replication,
 )
+from attestmesh.controlplane.workers import WorkerThreads
 from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import TcbGraceBook, deferrals_to_drop
 from certs.ca import CertificateAuthority, Issuer, Leaf, issue, rotation_step
@@ -186,7 +185,7 @@ class ControlPlane:
         self._crl_dirty = False
         self._crl_builds = 0  # CRL sets built on the loop (a newer one wins over a thread's)
         # verification, signing and CRLs run on threads of their own (``CRYPTO_THREADS``)
-        self._crypto = ThreadPoolExecutor(CRYPTO_THREADS, thread_name_prefix="attest-crypto")
+        self._crypto = WorkerThreads(CRYPTO_THREADS, "attest-crypto")
         self._crl_at: datetime | None = None
         self._ca_retry_at: datetime | None = None
         self._limiter = limiter or AttestationLimiter()
@@ -614,9 +613,7 @@ class ControlPlane:
             self._crl_task = None
 
     async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._crypto, functools.partial(fn, *args)
-        )
+        return await self._crypto.run(fn, *args)
 
     async def crl_settled(self) -> None:
         """Wait until revocations made so far are in the announced CRL set."""
