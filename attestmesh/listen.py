@@ -779,6 +779,7 @@ class _Guard(asyncio.Protocol):
         "_since",
         "_timer",
         "_transport",
+        "_watched",
         "established",
         "owner",
         "received",
@@ -798,6 +799,9 @@ class _Guard(asyncio.Protocol):
         self.owner = False  # plain TCP: this protocol holds the admission slot
         self.source: str | None = None
         self.received = False  # bytes arrived while the application waited for a request
+        # the application says when its phase changes without input (``listen_watch``):
+        # nothing polls it while it is busy
+        self._watched = False
 
     @property
     def app(self) -> asyncio.Protocol:
@@ -809,6 +813,10 @@ class _Guard(asyncio.Protocol):
         self.established = True
         self._since = self._listener.loop.time()
         self._app.connection_made(transport)
+        watch = getattr(self._app, "listen_watch", None)
+        if callable(watch):
+            watch(self._observe)
+            self._watched = True
         self._observe()
 
     def data_received(self, data: bytes) -> None:
@@ -866,7 +874,13 @@ class _Guard(asyncio.Protocol):
             self._close(None)
             return
         timeout = self._timeout(phase)
-        if timeout is None:
+        if timeout is None and self._watched:
+            # nothing to enforce while busy, and the application says when that ends (a
+            # request arriving is input, observed anyway): no timer per connection and poll
+            if self._paused_at < 0:
+                return
+            due = self._paused_at + lim.write_timeout
+        elif timeout is None:
             # nothing to enforce now; look again later (a body may still be arriving)
             due = self._since + lim.body_timeout
             if due <= now:

@@ -224,6 +224,7 @@ class AdsConnection(asyncio.Protocol):
         "_report",
         "_server",
         "_transport",
+        "_watch",
     )
 
     def __init__(self, server: LeanAds, report: Report | None) -> None:
@@ -235,6 +236,7 @@ class AdsConnection(asyncio.Protocol):
         self._peer: PeerIdentity | None = None
         self._paused = False
         self._blocked: set[_Call] | None = None  # calls waiting for window or resume_writing
+        self._watch: Callable[[], None] | None = None  # the listener's (listen_watch)
 
     # -- what attestmesh.listen reads -------------------------------------------------------
 
@@ -245,6 +247,12 @@ class AdsConnection(asyncio.Protocol):
             return False, None
         busy = bool(h2.streams)
         return busy, (h2.highest_stream_id, busy)
+
+    def listen_watch(self, changed: Callable[[], None]) -> None:
+        """``changed()`` is called whenever ``listen_phase`` may change without input from the
+        peer (a call ended here: a deadline, a refusal, shutdown), so the listener needs no
+        timer per connection to notice that a busy connection went idle."""
+        self._watch = changed
 
     def listen_body(self) -> float | None:
         """Since when some stream has held an incomplete request without a break (None: no
@@ -297,6 +305,8 @@ class AdsConnection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
         self._wake_drained()
+        if self._watch is not None:  # trailers that waited for the transport may be sent
+            self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
@@ -358,6 +368,8 @@ class AdsConnection(asyncio.Protocol):
             h2.send_trailers(sid, encode_trailers(status, message, headers=headers))
         if call is not None:
             self._stop(call)
+        if self._watch is not None:
+            self._watch()
 
     def _stop(self, call: _Call) -> None:
         """The call is over: timers off, the watch left, the stream uncounted (once)."""
