@@ -536,6 +536,8 @@ class _SocketTLS(asyncio.Transport):
                 self._timer.cancel()
                 self._timer = None
             self._app.connection_made(self)
+        if self._lost:
+            return  # aborted meanwhile: the socket is closed
         chunks: list[bytes] = []
         got = 0
         eof = False
