@@ -419,6 +419,25 @@ class _TLSConnection(Protocol):
     def shutdown(self) -> object: ...
 
 
+def _check_seam(ctx: _ssl.SSLContext) -> None:
+    """``start_h2`` refuses to start unless ``ctx._wrap_socket`` makes a server-side
+    connection (a Python whose private seam is missing or changed would otherwise look up
+    and serve nobody)."""
+    a, b = socket.socketpair()
+    try:
+        ok = getattr(_server_connection(ctx, a), "server_side", None) is True
+    except Exception:
+        ok = False
+    finally:
+        a.close()
+        b.close()
+    if not ok:
+        raise RuntimeError(
+            "unsupported Python: SSLContext._wrap_socket does not make a server-side TLS "
+            "connection (attestmesh.listen.start_h2 needs it)"
+        )
+
+
 def _server_connection(ctx: _ssl.SSLContext, sock: socket.socket) -> _TLSConnection:
     """A server-side TLS connection on ``sock`` (non-blocking: the calls raise SSLWantRead/
     WriteError). CPython's ``SSLContext._wrap_socket`` (3.7+; what ``ssl.SSLSocket`` is made
@@ -535,7 +554,11 @@ class _SocketTLS(asyncio.Transport):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            self._app.connection_made(self)
+            try:
+                self._app.connection_made(self)
+            except Exception as exc:
+                self._app_failed(exc, "connection_made")
+                return
         if self._lost:
             return  # aborted meanwhile: the socket is closed
         chunks: list[bytes] = []
@@ -561,7 +584,11 @@ class _SocketTLS(asyncio.Transport):
             chunks.append(chunk)
             got += len(chunk)
         if chunks and not self._closing:
-            self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            try:
+                self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            except Exception as exc:
+                self._app_failed(exc, "data_received")
+                return
         if eof:
             self.close()
 
@@ -574,6 +601,28 @@ class _SocketTLS(asyncio.Transport):
         self._writing = False
         self._listener.loop.remove_writer(self._fd)
         self._read_ready()
+
+    def _app_failed(self, exc: Exception, what: str) -> None:
+        """The application raised: reported as asyncio's transports do (``_fatal_error``),
+        and the connection ends (its slot released, ``connection_lost`` once)."""
+        self._listener.loop.call_exception_handler(
+            {
+                "message": f"Fatal error: protocol.{what}() call failed.",
+                "exception": exc,
+                "transport": self,
+                "protocol": self._app,
+            }
+        )
+        self._abort(exc)
+
+    def _shutdown_expired(self) -> None:
+        """``close`` could not send what was left within the shutdown timeout (the peer
+        reads nothing, though too little is left to pause the application and start the
+        write timeout): the peer holds the slot no longer."""
+        self._timer = None
+        if not self._lost:
+            self._listener.report(CloseReason.WRITE_TIMEOUT)
+            self._abort(None)
 
     def _write_ready(self) -> None:
         self._flush()
@@ -705,8 +754,12 @@ class _SocketTLS(asyncio.Transport):
             self._listener.loop.remove_reader(self._fd)
         if not self._backlog:
             self._finish()
-        # else: _flush_soon or _write_ready finishes once the backlog is sent (or the write
-        # timeout aborts)
+            return
+        # _flush_soon or _write_ready finishes once the backlog is sent, within the shutdown
+        # timeout (handshake_timeout, as asyncio's SSLProtocol bounds its shutdown)
+        if self._timer is None and not self._lost:
+            loop, limit = self._listener.loop, self._listener.limits.handshake_timeout
+            self._timer = loop.call_later(limit, self._shutdown_expired)
 
     def abort(self) -> None:
         self._abort(None)
@@ -1180,6 +1233,8 @@ async def start_h2(
 ) -> Listener:
     """Serve ``service`` (its own HTTP/2, e.g. ``xds.adsconn.LeanAds``) on a hardened
     listener. The service's ``close()`` / ``wait_closed()`` stop it."""
+    if ssl is not None:
+        _check_seam(ssl)
     service.configure(
         max_streams=limits.max_streams_per_connection,
         max_header_list_size=limits.max_header_list_size,

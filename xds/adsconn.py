@@ -93,7 +93,7 @@ def identity_of(der: bytes) -> PeerIdentity:
         except x509.ExtensionNotFound:
             return PeerIdentity((), serial)
         uris = tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
-    except (ValueError, x509.DuplicateExtension, x509.UnsupportedGeneralNameType):
+    except Exception:  # whatever cryptography refuses of what OpenSSL accepted: no identity
         return PeerIdentity((), None)
     return PeerIdentity(uris, serial)
 
