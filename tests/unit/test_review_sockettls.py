@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import os
 import random
 import socket
@@ -186,7 +187,6 @@ async def in_thread(fn: Callable[[], object]) -> object:
 # -- findings ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F1: not fixed yet")
 async def test_a_close_that_cannot_drain_ends_within_the_shutdown_timeout(
     ca: trustme.CA,
 ) -> None:
@@ -209,7 +209,6 @@ async def test_a_close_that_cannot_drain_ends_within_the_shutdown_timeout(
             tls.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F1: not fixed yet")
 async def test_a_half_close_from_a_peer_that_does_not_read_ends_within_the_shutdown_timeout(
     ca: trustme.CA,
 ) -> None:
@@ -230,7 +229,6 @@ async def test_a_half_close_from_a_peer_that_does_not_read_ends_within_the_shutd
             tls.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F2: not fixed yet")
 async def test_an_exception_in_the_application_closes_and_releases_the_connection(
     ca: trustme.CA,
 ) -> None:
@@ -263,7 +261,6 @@ class _NoSeam(ssl.SSLContext):
     _wrap_socket = None  # a Python whose private seam is missing (or renamed)
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F3: not fixed yet")
 async def test_start_h2_fails_at_start_without_the_cpython_seam(ca: trustme.CA) -> None:
     """Without ``SSLContext._wrap_socket`` every connection raised in its reader callback
     (and spun on it until the handshake timeout): the port looked up and served nobody."""
@@ -280,7 +277,6 @@ class _ClientSide(ssl.SSLContext):
         return super()._wrap_socket(sock, False, None)  # type: ignore[misc]
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F3: not fixed yet")
 async def test_start_h2_fails_at_start_when_the_seam_makes_no_server_connection(
     ca: trustme.CA,
 ) -> None:
@@ -313,7 +309,6 @@ def _leaf_der(serial: int = 12_345) -> bytes:
     return cert.public_bytes(serialization.Encoding.DER)
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F4: not fixed yet")
 def test_a_certificate_openssl_accepts_and_cryptography_refuses_has_no_identity() -> None:
     """An X.509 v2 certificate (OpenSSL verifies it; Python 3.11's default context is not
     X509_STRICT): cryptography raises InvalidVersion, not ValueError, and identity_of let it
@@ -325,7 +320,6 @@ def test_a_certificate_openssl_accepts_and_cryptography_refuses_has_no_identity(
     assert identity_of(v2) == PeerIdentity((), None)
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F4: not fixed yet")
 def test_identity_of_never_raises_on_a_damaged_certificate() -> None:
     der = _leaf_der()
     rng = random.Random(7)
@@ -482,3 +476,65 @@ async def test_a_key_update_while_the_server_socket_is_full_does_not_spin(
             assert service.apps[0].lost == 0
         finally:
             threading.Thread(target=tls.close).start()
+
+
+class _Failing(Service):
+    def protocol(self, report: Callable[[str], None] | None) -> asyncio.Protocol:
+        raise RuntimeError("the application cannot be made")
+
+
+@pytest.mark.xfail(strict=True, reason="review finding F5: not fixed yet")
+async def test_an_application_that_cannot_be_made_leaves_no_descriptor(ca: trustme.CA) -> None:
+    """``_to_socket_tls`` dups the accepted socket before the application is made: when that
+    fails, both descriptors must be closed then (not by the garbage collector, with a
+    ResourceWarning, whenever the exception's traceback is dropped)."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    service = _Failing()
+    lst = await start_h2(service, "127.0.0.1", 0, ssl=server_context(ca), limits=SHORT)
+    try:
+        await asyncio.sleep(0.05)
+        before = open_fds()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            client = socket.create_connection(("127.0.0.1", lst.port))
+            await until(lambda: bool(errors))
+            await asyncio.sleep(0.05)
+            assert open_fds() == before + 1  # the client's own
+            errors.clear()  # the traceback (and the frame holding the dup) goes here
+            gc.collect()
+        client.close()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert lst.stats().open == 0
+    finally:
+        loop.set_exception_handler(None)
+        for server in service.servers:
+            server.close()
+            await server.wait_closed()
+
+
+@pytest.mark.xfail(strict=True, reason="review finding F6: not fixed yet")
+async def test_a_handshake_finished_after_the_server_closed_is_not_served(ca: trustme.CA) -> None:
+    """A TCP connection accepted before the service closed its server, its TLS handshake done
+    after: it must not reach the application (a stream opened on a closing control plane),
+    and its descriptor must not wait for the garbage collector when the loop ends."""
+    async with served(ca) as (service, lst, _):
+        raw = socket.create_connection(("127.0.0.1", lst.port))
+        await until(lambda: lst.stats().open == 1)
+        for server in service.servers:
+            server.close()
+            await server.wait_closed()
+
+        def handshake() -> bool:
+            try:
+                with client_context(ca).wrap_socket(raw, server_hostname="localhost") as tls:
+                    tls.settimeout(3)
+                    tls.sendall(b"hello")
+                    return tls.recv(10) != b""
+            except (ssl.SSLError, OSError):
+                return False
+
+        await in_thread(handshake)
+        await until(lambda: lst.stats().open == 0, within=3)
+        assert all(app.made == 0 for app in service.apps)
