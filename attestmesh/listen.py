@@ -287,18 +287,21 @@ class _Admission(asyncio.Protocol):
         """``start_h2``: the socket leaves asyncio's transport (which has read nothing yet)
         for ``_SocketTLS``, where OpenSSL reads and writes it directly."""
         lst = self._listener
+        sock: socket.socket | None = None
         try:
+            guard = _Guard(lst, lst.app_factory())  # before the dup: a failure leaves no fd
             raw = transport.get_extra_info("socket")
-            sock = socket.socket(raw.family, raw.type, raw.proto, os.dup(raw.fileno()))
+            fd = os.dup(raw.fileno())
+            try:
+                sock = socket.socket(raw.family, raw.type, raw.proto, fd)
+            except BaseException:
+                os.close(fd)
+                raise
             sock.setblocking(False)
-            tls = _SocketTLS(
-                _Guard(lst, lst.app_factory()),
-                lst,
-                source,
-                sock,
-                transport.get_extra_info("peername"),
-            )
+            tls = _SocketTLS(guard, lst, source, sock, transport.get_extra_info("peername"))
         except BaseException:
+            if sock is not None:
+                sock.close()  # now, not when the exception's traceback is dropped
             lst.release(source)
             raise
         finally:
@@ -469,6 +472,7 @@ class _SocketTLS(asyncio.Transport):
         "_backlog",
         "_backlog_size",
         "_closing",
+        "_corked",
         "_deadline",
         "_fd",
         "_high",
@@ -510,6 +514,7 @@ class _SocketTLS(asyncio.Transport):
         self._closing = False
         self._lost = False
         self._scheduled = False  # _flush_soon is due
+        self._corked = False  # a read is being handled: its answers go out together after it
         self._paused = False  # the application was told to pause writing
         self._reading = True
         self._writing = False  # a writer callback is registered (backlog pending)
@@ -554,11 +559,14 @@ class _SocketTLS(asyncio.Transport):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            self._corked = True
             try:
                 self._app.connection_made(self)
             except Exception as exc:
                 self._app_failed(exc, "connection_made")
                 return
+            finally:
+                self._corked = False
         if self._lost:
             return  # aborted meanwhile: the socket is closed
         chunks: list[bytes] = []
@@ -584,11 +592,14 @@ class _SocketTLS(asyncio.Transport):
             chunks.append(chunk)
             got += len(chunk)
         if chunks and not self._closing:
+            self._corked = True
             try:
                 self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
             except Exception as exc:
                 self._app_failed(exc, "data_received")
                 return
+            finally:
+                self._corked = False
         if eof:
             self.close()
 
@@ -732,7 +743,14 @@ class _SocketTLS(asyncio.Transport):
             view = memoryview(data)
             backlog.extend(bytes(view[i : i + _TLS_CHUNK]) for i in range(0, len(view), _TLS_CHUNK))
         self._backlog_size += len(data)
-        if not self._scheduled and not self._writing:
+        if self._writing:
+            pass  # the socket is full: _write_ready sends it
+        elif not self._corked and not self._paused:
+            # a push (not an answer to a read): out now, not after the callbacks queued
+            # meanwhile (a quarantined node's refusal must not wait behind the patch of
+            # everyone else's configuration, which the publisher queues right after it)
+            self._flush_soon()
+        elif not self._scheduled:
             self._scheduled = True
             self._listener.loop.call_soon(self._flush_soon)
         if not self._paused and self._backlog_size > self._high:
