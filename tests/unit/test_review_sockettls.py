@@ -483,7 +483,6 @@ class _Failing(Service):
         raise RuntimeError("the application cannot be made")
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F5: not fixed yet")
 async def test_an_application_that_cannot_be_made_leaves_no_descriptor(ca: trustme.CA) -> None:
     """``_to_socket_tls`` dups the accepted socket before the application is made: when that
     fails, both descriptors must be closed then (not by the garbage collector, with a
