@@ -195,6 +195,8 @@ class _Listener:
         self.on_refused = on_refused
         self.loop = asyncio.get_running_loop()
         self.socket_tls = False  # TLS by _SocketTLS (start_h2) instead of asyncio's SSLProtocol
+        # start_h2's server: a TLS handshake that ends after it closed is not served
+        self.server: asyncio.AbstractServer | None = None
         self.open = 0
         self.per_source: dict[str, int] = {}
         self.closed: dict[CloseReason, int] = {}
@@ -554,6 +556,10 @@ class _SocketTLS(asyncio.Transport):
             except (_ssl.SSLError, OSError) as exc:
                 log.debug("TLS handshake failed: %s", exc)
                 self._abort(exc)
+                return
+            server = self._listener.server
+            if server is not None and not server.is_serving():
+                self._abort(None)  # accepted before the server closed: not served after
                 return
             self._ready = True
             if self._timer is not None:
@@ -1267,6 +1273,7 @@ async def start_h2(
     lst = _Listener(name, limits, ssl, lambda: service.protocol(report), _lean_h2_phase, on_refused)
     lst.socket_tls = True
     srv = await loop.create_server(lst, host, port, backlog=limits.backlog)
+    lst.server = srv
     service.serving(srv)
     return Listener(srv, lst)
 

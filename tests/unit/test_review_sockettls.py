@@ -513,7 +513,6 @@ async def test_an_application_that_cannot_be_made_leaves_no_descriptor(ca: trust
             await server.wait_closed()
 
 
-@pytest.mark.xfail(strict=True, reason="review finding F6: not fixed yet")
 async def test_a_handshake_finished_after_the_server_closed_is_not_served(ca: trustme.CA) -> None:
     """A TCP connection accepted before the service closed its server, its TLS handshake done
     after: it must not reach the application (a stream opened on a closing control plane),
