@@ -20,14 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from benchmarks.bench_scale import (
     Figures,
     MeshRun,
     Settings,
     crypto_lower_bound,
+    write_sim_platform,
 )
 from benchmarks.scale_ads import raise_nofile
 from benchmarks.scale_proc import CpuMeter
@@ -65,20 +64,7 @@ async def amain(args: argparse.Namespace) -> Figures:
             attest_concurrency=4,
             envoys=0,
         )
-        platform = ec.generate_private_key(ec.SECP256R1())
-        sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"
-        sim_key.write_bytes(
-            platform.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        sim_pub.write_bytes(
-            platform.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
+        sim_key, sim_pub = write_sim_platform(workdir)
         crypto_s = crypto_lower_bound(2000)
         f = Figures()
         run = MeshRun(args.n, s, sim_key, sim_pub, envoys=0)

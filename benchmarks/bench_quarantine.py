@@ -23,10 +23,15 @@ import time
 from pathlib import Path
 
 import aiohttp
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from benchmarks.bench_scale import TARGET_MEMBERS, Figures, MeshRun, Settings, log
+from benchmarks.bench_scale import (
+    TARGET_MEMBERS,
+    Figures,
+    MeshRun,
+    Settings,
+    log,
+    write_sim_platform,
+)
 from benchmarks.scale_ads import raise_nofile
 from benchmarks.scale_proc import CLK_TCK, Profiler
 
@@ -104,20 +109,7 @@ async def amain(args: argparse.Namespace) -> None:
         attest_concurrency=4,
         envoys=0,
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"
-    sim_key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    sim_pub.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    sim_key, sim_pub = write_sim_platform(workdir)
     run = MeshRun(args.n, s, sim_key, sim_pub, envoys=0)
     f = Figures()
     try:

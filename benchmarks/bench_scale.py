@@ -309,6 +309,25 @@ def crypto_lower_bound(n: int) -> float:
     return statistics.median(out)
 
 
+def write_sim_platform(workdir: Path) -> tuple[Path, Path]:
+    """A fresh simulated TEE platform key: (private key PEM, public key PEM) in ``workdir``."""
+    platform = ec.generate_private_key(ec.SECP256R1())
+    sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"
+    sim_key.write_bytes(
+        platform.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    sim_pub.write_bytes(
+        platform.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return sim_key, sim_pub
+
+
 # -- one mesh size --------------------------------------------------------------------------------
 
 
@@ -1101,20 +1120,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             py_spy=args.py_spy,
             py_spy_phases=frozenset(args.py_spy_phases.split(",")) if args.py_spy_phases else None,
         )
-        platform = ec.generate_private_key(ec.SECP256R1())
-        sim_key, sim_pub = workdir / "sim.key", workdir / "sim.pub"
-        sim_key.write_bytes(
-            platform.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        sim_pub.write_bytes(
-            platform.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
+        sim_key, sim_pub = write_sim_platform(workdir)
         print(
             f"bench_scale: N={sizes}, {os.cpu_count()} cores, "
             f"control plane: {args.controlplane_cmd}, ADS {args.xds_protocol}, workdir {workdir}",
