@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,7 +18,10 @@ import trustme
 
 from attestmesh.listen import CloseReason, Listener, ListenLimits, start_h2
 
-PAYLOAD = os.urandom(4 * 2**20)  # far more than the socket buffers hold
+# far more than the socket buffers hold: the server's send buffer autotunes up to
+# net.ipv4.tcp_wmem's maximum (4 MiB here), and the client's receive buffer is kept small
+# (``connect(..., rcvbuf=...)``), with asyncio's TLS read buffer (256 KiB) above it
+PAYLOAD = os.urandom(16 * 2**20)
 LIMITS = ListenLimits(write_timeout=30, idle_timeout=30, body_timeout=30, header_timeout=30)
 
 
@@ -106,10 +110,24 @@ async def served(
             await server.wait_closed()
 
 
-async def connect(ca: trustme.CA, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(
+    ca: trustme.CA, port: int, rcvbuf: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     ctx = ssl.create_default_context()
     ca.configure_trust(ctx)
-    return await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
+    if rcvbuf is None:
+        return await asyncio.open_connection(
+            "127.0.0.1", port, ssl=ctx, server_hostname="localhost"
+        )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # no autotuning
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        return await asyncio.open_connection(sock=sock, ssl=ctx, server_hostname="localhost")
+    except BaseException:
+        sock.close()
+        raise
 
 
 def reading(writer: asyncio.StreamWriter, on: bool) -> None:
@@ -132,26 +150,29 @@ async def test_a_large_write_arrives_whole_and_in_order_and_pauses_the_applicati
     ca: trustme.CA,
 ) -> None:
     async with served(ca) as (service, lst, seen):
-        reader, writer = await connect(ca, lst.port)
-        reading(writer, False)
-        writer.write(b"go")
-        await until(lambda: bool(service.conns) and service.conns[0].paused > 0)
-        blob = service.conns[0]
-        assert blob.transport is not None
-        assert blob.transport.get_write_buffer_size() > 0
-        assert blob.resumed == 0
-        reading(writer, True)
-        async with asyncio.timeout(10):
-            got = await reader.readexactly(len(PAYLOAD))
-        assert got == PAYLOAD
-        await until(lambda: blob.resumed == blob.paused)
-        assert blob.transport.get_write_buffer_size() == 0
-        assert blob.transport.get_extra_info("cipher") is not None
-        assert blob.transport.get_extra_info("peername")[0] == "127.0.0.1"
-        assert lst.stats().open == 1 and not seen
-        writer.close()
-        await until(lambda: blob.lost)
-        assert lst.stats().open == 0 and not seen
+        reader, writer = await connect(ca, lst.port, rcvbuf=65_536)
+        try:
+            reading(writer, False)
+            writer.write(b"go")
+            await until(lambda: bool(service.conns) and service.conns[0].paused > 0)
+            blob = service.conns[0]
+            assert blob.transport is not None
+            assert blob.transport.get_write_buffer_size() > 0
+            assert blob.resumed == 0
+            reading(writer, True)
+            async with asyncio.timeout(10):
+                got = await reader.readexactly(len(PAYLOAD))
+            assert got == PAYLOAD
+            await until(lambda: blob.resumed == blob.paused)
+            assert blob.transport.get_write_buffer_size() == 0
+            assert blob.transport.get_extra_info("cipher") is not None
+            assert blob.transport.get_extra_info("peername")[0] == "127.0.0.1"
+            assert lst.stats().open == 1 and not seen
+            writer.close()
+            await until(lambda: blob.lost)
+            assert lst.stats().open == 0 and not seen
+        finally:
+            writer.close()  # a failed assertion leaves no socket to a later test
 
 
 async def test_a_peer_that_never_reads_is_closed_by_the_write_timeout(ca: trustme.CA) -> None:

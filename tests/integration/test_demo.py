@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
+    drain: threading.Thread | None = None
     try:
         deadline = time.monotonic() + 60
         lines = []
@@ -44,16 +46,25 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
             if "holding the mesh" in line or not line:
                 break
         assert "holding the mesh" in lines[-1], "".join(lines)
+        # the rest of its output is read on: a full pipe would block the demo's shutdown
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+        drain.start()
         envoys = _envoys_of(tmp_path)
         assert len(envoys) == 2, envoys
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("no exit 30 s after SIGINT:\n" + "".join(lines[-40:])) from None
+        assert code == 130, "".join(lines[-40:])
         assert _envoys_of(tmp_path) == []
         assert not list(tmp_path.glob("sds-*.sock"))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if drain is not None:
+            drain.join(10)  # at the end of the output, before the pipe is closed under it
         proc.stdout.close()
 
 
