@@ -31,8 +31,16 @@ async def test_demo_holds_every_expectation(
 
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     """SIGINT while the mesh runs: exit 130, and no Envoy of this demo is left behind."""
+    # Ctrl-C at a terminal: SIGINT handled as Python does by default. A process started in
+    # the background of a shell without job control inherits SIGINT ignored (and rightly keeps
+    # ignoring it): CI may run the suite so, hence the handler set here explicitly.
+    run_cli = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['attestmesh', *sys.argv[1:]]; "
+        "runpy.run_module('attestmesh.cli', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attestmesh.cli", "demo", "--hold", "--workdir", str(tmp_path)],
+        [sys.executable, "-c", run_cli, "demo", "--hold", "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
