@@ -20,19 +20,17 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.utils import CryptographyDeprecationWarning
-from cryptography.x509.oid import NameOID
 
 from attestmesh import listen
 from attestmesh.listen import CloseReason, Listener, ListenLimits, start_h2
+from tests.unit.test_adsconn_identity import _cert
 from xds.adsconn import identity_of
 from xds.server import PeerIdentity
 
@@ -287,26 +285,8 @@ async def test_start_h2_fails_at_start_when_the_seam_makes_no_server_connection(
 
 
 def _leaf_der(serial: int = 12_345) -> bytes:
-    key = ed25519.Ed25519PrivateKey.generate()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "w1")])
-    now = datetime.now(UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(serial)
-        .not_valid_before(now - timedelta(minutes=1))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.UniformResourceIdentifier("spiffe://attestmesh.local/ns/default/sa/a")]
-            ),
-            critical=False,
-        )
-        .sign(key, None)
-    )
-    return cert.public_bytes(serialization.Encoding.DER)
+    uri = x509.UniformResourceIdentifier("spiffe://attestmesh.local/ns/default/sa/a")
+    return _cert([uri], serial).public_bytes(serialization.Encoding.DER)
 
 
 def test_a_certificate_openssl_accepts_and_cryptography_refuses_has_no_identity() -> None:
