@@ -683,7 +683,8 @@ class _SocketTLS(asyncio.Transport):
 
     def _flush_soon(self) -> None:
         """What was written since the last flush, in as few records (and system calls) as
-        the chunk size allows: an answer to a read and the pushes it woke go out together."""
+        the chunk size allows: what the application wrote while it handled one read goes out
+        together (a push made outside a read is flushed by ``write`` at once)."""
         self._scheduled = False
         backlog = self._backlog
         if self._writing or self._lost or not backlog:
