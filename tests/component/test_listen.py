@@ -196,9 +196,10 @@ async def test_partial_header_is_closed_by_the_header_timeout(ca: trustme.CA) ->
         )
         w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
         t0 = time.monotonic()
-        # dripping header lines does not extend the header's budget
+        # dripping header lines does not extend the header's budget: the drip would go on for
+        # 6 s, the connection is closed long before (the bound leaves room for a loaded machine)
         with pytest.raises((ConnectionResetError, BrokenPipeError, ssl.SSLError)):
-            for _ in range(30):
+            for _ in range(60):
                 w.write(b"X-Drip: 1\r\n")
                 await w.drain()
                 if r.at_eof():
@@ -206,7 +207,7 @@ async def test_partial_header_is_closed_by_the_header_timeout(ca: trustme.CA) ->
                 await asyncio.sleep(0.1)
                 if r.at_eof() or w.transport.is_closing():
                     raise ConnectionResetError
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0
         w.close()
         assert seen.seen == [("api", CloseReason.HEADER_TIMEOUT)]
 
