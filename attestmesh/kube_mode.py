@@ -55,14 +55,19 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh.controlplane import ControlPlane, Publisher
 from attestmesh.controlplane.secrets import SecretPolicies
 from attestmesh.listen import ListenLimits, start_aiohttp
 from attestmesh.metrics import Metrics
-from attestmesh.serve import Hooks
+from attestmesh.serve import (
+    PROBE_OK,
+    Hooks,
+    ProbeVerdict,
+    add_probe_routes,
+    liveness_of,
+    readiness_of,
+)
 from certs.ca import CertificateAuthority, issue_serving_credentials
 from certs.errors import PolicyError
 from certs.policy import AttestationPolicy
@@ -394,30 +399,21 @@ class KubeMode:
     # -- probes -------------------------------------------------------------------------------
 
     def _probe_app(self) -> web.Application:
-        async def metrics_handler(_: web.Request) -> web.Response:
-            body = generate_latest(self.metrics.registry)
-            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        def liveness() -> ProbeVerdict:
+            return PROBE_OK if self._cp is None else liveness_of(self._cp)
 
-        async def healthz(_: web.Request) -> web.Response:
-            if self._cp is not None and not self._cp.healthy:  # a failed store write
-                return web.json_response({"status": "store_failed"}, status=503)
-            return web.json_response({"status": "ok"})
-
-        async def readyz(_: web.Request) -> web.Response:
-            # the same verdicts as the ops port's /readyz (attestmesh.serve): the kubelet
-            # probes this port, so a replica cut off from its database leaves the Service
-            if self._cp is not None and not self._cp.healthy:
-                return web.json_response({"status": "store_failed"}, status=503)
-            if self._cp is not None and not self._cp.ready:
-                return web.json_response({"status": "store_unreachable"}, status=503)
+        def readiness() -> ProbeVerdict:
+            # the ops port's verdicts (attestmesh.serve), and synced: the kubelet probes this
+            # port, so a replica cut off from its database leaves the Service
+            verdict = PROBE_OK if self._cp is None else readiness_of(self._cp)
+            if verdict is not PROBE_OK:
+                return verdict
             if not self.synced.is_set():
-                return web.json_response({"status": "syncing"}, status=503)
-            return web.json_response({"status": "ok", "leader": self.elector.is_leader})
+                return 503, {"status": "syncing"}
+            return 200, {"status": "ok", "leader": self.elector.is_leader}
 
         app = web.Application()
-        app.router.add_get("/metrics", metrics_handler)
-        app.router.add_get("/healthz", healthz)
-        app.router.add_get("/readyz", readyz)
+        add_probe_routes(app, self.metrics.registry, liveness, readiness)
         return app
 
     async def run(self, cp: ControlPlane, stop: asyncio.Event) -> None:

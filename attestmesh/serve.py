@@ -13,7 +13,7 @@ import logging
 import os
 import secrets
 import ssl
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,7 +24,7 @@ import grpclib.server
 import yaml
 from aiohttp import web
 from cryptography import x509
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from attestmesh import secret_release, status_cmd
@@ -529,25 +529,54 @@ def ops_guard(token: str) -> Any:
     return guard
 
 
+ProbeVerdict = tuple[int, dict[str, object]]
+PROBE_OK: ProbeVerdict = (200, {"status": "ok"})
+
+
+def liveness_of(cp: ControlPlane) -> ProbeVerdict:
+    """/healthz: a failed store write makes the process unhealthy (restart to load what is
+    durable)."""
+    if not cp.healthy:
+        return 503, {"status": "store_failed"}
+    return PROBE_OK
+
+
+def readiness_of(cp: ControlPlane) -> ProbeVerdict:
+    """/readyz: healthy, and (several replicas) not cut off from the database."""
+    if not cp.healthy:
+        return 503, {"status": "store_failed"}
+    if not cp.ready:  # several replicas: cut off from the database, issuing nothing
+        return 503, {"status": "store_unreachable"}
+    return PROBE_OK
+
+
+def add_probe_routes(
+    app: web.Application,
+    registry: CollectorRegistry,
+    liveness: Callable[[], ProbeVerdict],
+    readiness: Callable[[], ProbeVerdict],
+) -> None:
+    """/metrics, /healthz and /readyz, the same on the ops port and Kubernetes' probe port."""
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def verdict(of: Callable[[], ProbeVerdict]) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            status, body = of()
+            return web.json_response(body, status=status)
+
+        return handler
+
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", verdict(liveness))
+    app.router.add_get("/readyz", verdict(readiness))
+
+
 def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Application:
     """Loopback-only operations endpoint: metrics, health (open), quarantine administration
     (``ops_guard``: bearer ``token``, no browser requests, JSON bodies)."""
-
-    async def metrics_handler(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def healthz(request: web.Request) -> web.Response:
-        if not cp.healthy:  # a failed store write: restart to load what is durable
-            return web.json_response({"status": "store_failed"}, status=503)
-        return web.json_response({"status": "ok"})
-
-    async def readyz(request: web.Request) -> web.Response:
-        if not cp.healthy:
-            return web.json_response({"status": "store_failed"}, status=503)
-        if not cp.ready:  # several replicas: cut off from the database, issuing nothing
-            return web.json_response({"status": "store_unreachable"}, status=503)
-        return web.json_response({"status": "ok"})
 
     def workload_json(name: str) -> dict[str, Any]:
         w = cp.state.get(name)
@@ -612,9 +641,7 @@ def build_ops_app(cp: ControlPlane, metrics: Metrics, token: str) -> web.Applica
         )
 
     app = web.Application(middlewares=[ops_guard(token)], client_max_size=64 * 1024)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_probe_routes(app, metrics.registry, lambda: liveness_of(cp), lambda: readiness_of(cp))
     app.router.add_get("/v1/admin/workloads", workloads)
     app.router.add_post("/v1/admin/workloads/{name}/quarantine", quarantine)
     app.router.add_post("/v1/admin/workloads/{name}/release", release)
