@@ -820,6 +820,11 @@ class MeshRun:
             errs = sum(o["n_errors"] for o in outs)
             if errs:
                 f.notes.append(f"issuance at {c}: {errs} errors, e.g. {outs[0]['errors'][:1]}")
+            asked = sum(o.get("challenges", 0) for o in outs)
+            f.notes.append(
+                f"issuance at {c}: {asked} challenge requests for {done} attestations (the"
+                " others bound the next_nonce of the workload's last answer, as the agent does)"
+            )
             limited = sum(o.get("rate_limited", 0) for o in outs)
             secs = max(o["seconds"] for o in outs)
             if limited:
