@@ -9,31 +9,33 @@ and time are arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from cryptography import x509
 
 from certs.ca.authority import CertificateAuthority
 from certs.ca.claims import claims_class, encode_claims_extension
-from certs.ca.templates import build_leaf
-from certs.ear import build_ear_extension
+from certs.ca.der import certificate_pem
+from certs.ca.templates import leaf_validity, sign_leaf
+from certs.csr import csr_key, spki_der
+from certs.ear import VERIFIER_BUILD, build_ear, encode_cmw_extension, sign_ear
 from certs.issuance import Admission
 
 
 @dataclass(frozen=True, slots=True)
 class Leaf:
-    """A signed mesh leaf and the chain a workload presents (leaf, then its intermediate)."""
+    """A signed mesh leaf (its DER, serial number and notAfter) and the chain a workload
+    presents (leaf, then its intermediate)."""
 
-    cert: x509.Certificate
+    der: bytes
+    serial: int
+    not_after: datetime
     chain_pem: bytes
 
     @property
-    def serial(self) -> int:
-        return self.cert.serial_number
-
-    @property
-    def not_after(self) -> datetime:
-        return self.cert.not_valid_after_utc
+    def cert(self) -> x509.Certificate:
+        """The leaf parsed (the issuance path itself needs only the fields above)."""
+        return x509.load_der_x509_certificate(self.der)
 
 
 def issue(
@@ -45,26 +47,33 @@ def issue(
         raise TypeError(f"issue takes an Admission (certs.issuance.decide), not {admission!r}")
     claims = admission.claims
     issuer = ca.intermediate
-    cert = build_leaf(
-        admission.csr,
+    ttl = admission.certificate_ttl
+    _, not_after = leaf_validity(now, ttl, issuer.cert.not_valid_after_utc)
+    spki = spki_der(csr_key(admission.csr))
+    ear = build_ear(
+        claims,
+        policy=admission.policy,
+        spiffe_id=spiffe_id,
+        subject_spki_der=spki,
+        nonce=admission.nonce,
+        now=now,
+        verifier_build=VERIFIER_BUILD,
+    )
+    der = sign_leaf(
+        spki,
         spiffe_id=spiffe_id,
         claims_extension=encode_claims_extension(claims, admission.policy, now),
         issuer=issuer,
         serial=serial,
         now=now,
-        ttl=admission.certificate_ttl,
+        ttl=ttl,
         claims_class=claims_class(claims.tee.value, claims.measurements),
-        cmw_extension=build_ear_extension(
-            claims,
-            policy=admission.policy,
-            spiffe_id=spiffe_id,
-            subject_key=admission.csr.public_key(),
-            nonce=admission.nonce,
-            issuer=issuer,
-            now=now,
-        ),
+        # the attestation result, signed by the intermediate that signs the leaf
+        cmw_extension=encode_cmw_extension(sign_ear(ear, issuer.key, issuer.cert)),
     )
-    return Leaf(cert, ca.chain_pem(cert, issuer))  # it signed the leaf just now
+    # (whole seconds: the certificate's notAfter is what the record and the answer carry)
+    not_after = not_after.astimezone(UTC).replace(microsecond=0)
+    return Leaf(der, serial, not_after, certificate_pem(der) + issuer.pem)
 
 
 __all__ = ["Leaf", "issue"]

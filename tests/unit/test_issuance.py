@@ -1,14 +1,18 @@
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority, issue
 from certs.csr import CsrError
+from certs.ear import verify_certificate_ear
 from certs.errors import EvidenceFormatError
 from certs.evidence.claims import Tee
 from certs.evidence.sim import SimVerifier, build_report
@@ -179,3 +183,30 @@ def test_issue_signs_the_admitted_key_with_the_admitted_ttl(tmp_path: Any) -> No
     assert (leaf.serial, leaf.not_after) == (77, NOW + timedelta(minutes=10))
     leaf.cert.verify_directly_issued_by(ca.intermediate.cert)
     assert leaf.chain_pem.endswith(ca.intermediate_pem)
+
+
+@pytest.fixture(scope="module")
+def module_ca(tmp_path_factory: pytest.TempPathFactory) -> CertificateAuthority:
+    return CertificateAuthority.load_or_create(
+        tmp_path_factory.mktemp("ca") / "ca", "spiffe://td.test", NOW
+    )
+
+
+@given(st.integers(min_value=0, max_value=10**6 - 1), st.integers(min_value=60, max_value=86_400))
+@settings(max_examples=25, deadline=None)
+def test_the_leaf_answer_is_what_its_certificate_says(
+    module_ca: CertificateAuthority, microsecond: int, ttl_s: int
+) -> None:
+    """The issuance path reads nothing back from the DER it signed: the serial, notAfter
+    (whole seconds, UTC) and chain it answers with are the certificate's own."""
+    now = NOW.replace(microsecond=microsecond)
+    spiffe = "spiffe://td.test/ns/a/sa/b"
+    verified = verify_request(_request(), VERIFIERS, now)
+    policies = parse_policies([policy_doc(certificateTTL=f"{ttl_s}s", reattestationInterval="1m")])
+    leaf = issue(decide(verified, policies, now), module_ca, spiffe_id=spiffe, serial=99, now=now)
+    cert = leaf.cert
+    assert (leaf.serial, leaf.not_after) == (cert.serial_number, cert.not_valid_after_utc)
+    assert leaf.not_after.tzinfo is UTC and leaf.not_after.microsecond == 0
+    chain = cert.public_bytes(serialization.Encoding.PEM) + module_ca.intermediate_pem
+    assert leaf.chain_pem == chain
+    verify_certificate_ear(cert, module_ca.intermediate.cert, spiffe)
