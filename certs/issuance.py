@@ -106,22 +106,34 @@ class _Sealed:
 class Verified(_Sealed):
     """Evidence that verified to its vendor root and binds ``nonce`` and the CSR's key."""
 
-    __slots__ = ("_claims", "_csr", "_nonce")
+    __slots__ = ("_claims", "_csr", "_nonce", "_spki")
     _made_by: ClassVar[str] = "verify_request"
     _csr: x509.CertificateSigningRequest
     _claims: Claims
     _nonce: bytes
+    _spki: bytes
 
     def __init__(
-        self, seal: object, csr: x509.CertificateSigningRequest, claims: Claims, nonce: bytes
+        self,
+        seal: object,
+        csr: x509.CertificateSigningRequest,
+        claims: Claims,
+        nonce: bytes,
+        spki: bytes | None = None,
     ) -> None:
         object.__setattr__(self, "_csr", csr)
         object.__setattr__(self, "_claims", claims)
         object.__setattr__(self, "_nonce", nonce)
+        object.__setattr__(self, "_spki", spki if spki is not None else spki_der(csr_key(csr)))
 
     @property
     def csr(self) -> x509.CertificateSigningRequest:
         return self._csr
+
+    @property
+    def spki(self) -> bytes:
+        """The CSR's key as a DER SubjectPublicKeyInfo (what the evidence binds)."""
+        return self._spki
 
     @property
     def claims(self) -> Claims:
@@ -153,6 +165,10 @@ class Admission(_Sealed):
     @property
     def csr(self) -> x509.CertificateSigningRequest:
         return self._verified.csr
+
+    @property
+    def spki(self) -> bytes:
+        return self._verified.spki
 
     @property
     def nonce(self) -> bytes:
@@ -187,13 +203,14 @@ def verify_request(
         claims = verifier.verify(req.evidence, now=now, collateral=req.collateral)
     except AttestmeshError as exc:
         raise EvidenceRejected(exc.reason, exc.detail, tee) from exc
-    if not binding_matches(claims.report_data, req.nonce, spki_der(csr_key(csr))):
+    spki = spki_der(csr_key(csr))
+    if not binding_matches(claims.report_data, req.nonce, spki):
         raise EvidenceRejected(
             "binding_mismatch",
             "report data does not bind this nonce and the CSR's public key",
             tee,
         )
-    return Verified(_SEAL, csr, _read_only(claims), req.nonce)
+    return Verified(_SEAL, csr, _read_only(claims), req.nonce, spki)
 
 
 def _read_only(claims: Claims) -> Claims:

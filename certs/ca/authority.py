@@ -113,10 +113,15 @@ class CertificateAuthority:
     activated_at: datetime | None = None
     directory: Path | None = None
     key_store: KeyStore = field(default=FILE_KEYS, compare=False, repr=False)  # where keys live
+    # the root's PEM, which every certificate answer carries: encoded once per CA value
+    _bundle_pem: bytes = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_bundle_pem", self.root.public_bytes(serialization.Encoding.PEM))
 
     @property
     def bundle_pem(self) -> bytes:
-        return self.root.public_bytes(serialization.Encoding.PEM)
+        return self._bundle_pem
 
     @property
     def intermediate_pem(self) -> bytes:

@@ -17,7 +17,6 @@ from certs.ca.authority import CertificateAuthority
 from certs.ca.claims import claims_class, encode_claims_extension
 from certs.ca.der import certificate_pem
 from certs.ca.templates import leaf_validity, sign_leaf
-from certs.csr import csr_key, spki_der
 from certs.ear import VERIFIER_BUILD, build_ear, encode_cmw_extension, sign_ear
 from certs.issuance import Admission
 
@@ -49,7 +48,7 @@ def issue(
     issuer = ca.intermediate
     ttl = admission.certificate_ttl
     _, not_after = leaf_validity(now, ttl, issuer.cert.not_valid_after_utc)
-    spki = spki_der(csr_key(admission.csr))
+    spki = admission.spki
     ear = build_ear(
         claims,
         policy=admission.policy,
