@@ -98,10 +98,37 @@ def identity_of(der: bytes) -> PeerIdentity:
     return PeerIdentity(uris, serial)
 
 
+class _Pushes:
+    """The streams woken since the loop last ran their pushes, in the order they were woken:
+    one ``call_soon`` for all of them (a change that wakes 5,000 streams schedules one
+    callback, not 5,000 handles), run in that order on the next turn of the loop."""
+
+    __slots__ = ("_woken",)
+
+    def __init__(self) -> None:
+        self._woken: list[tuple[AdsConnection, _Call]] = []
+
+    def add(self, conn: AdsConnection, call: _Call) -> None:
+        woken = self._woken
+        woken.append((conn, call))
+        if len(woken) == 1:
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        woken, self._woken = self._woken, []
+        for conn, call in woken:
+            try:
+                conn.push(call)
+            except Exception as exc:  # as the loop reports a failed callback; the rest go on
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "ADS push failed", "exception": exc, "protocol": conn}
+                )
+
+
 class _Wake:
-    """Stands in for a cache watch's ``asyncio.Event`` (``Watch.changed``): ``set`` schedules
-    the stream's push with ``call_soon`` instead of waking a task, so a stream needs no task
-    (``set`` is all the cache calls)."""
+    """Stands in for a cache watch's ``asyncio.Event`` (``Watch.changed``): ``set`` queues the
+    stream's push (:class:`_Pushes`, run on the next turn of the loop) instead of waking a
+    task, so a stream needs no task (``set`` is all the cache calls)."""
 
     __slots__ = ("_call", "_conn", "_set")
 
@@ -113,7 +140,7 @@ class _Wake:
     def set(self) -> None:
         if not self._set:
             self._set = True
-            asyncio.get_running_loop().call_soon(self._conn.push, self._call)
+            self._conn._server.pushes.add(self._conn, self._call)
 
     def is_set(self) -> bool:
         return self._set
@@ -165,6 +192,7 @@ class LeanAds:
         self.limits = limits or H2Limits()
         self.first_message_timeout = first_message_timeout
         self.connections: set[AdsConnection] = set()
+        self.pushes = _Pushes()  # the woken streams' pushes, one callback per turn
         self._servers: list[asyncio.Server] = []
         self.clock = ads.clock  # monotonic seconds (the HTTP/2 control-frame budget)
 
