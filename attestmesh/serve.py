@@ -71,7 +71,7 @@ from xds.publisher import XdsPublisher
 from xds.registrations import parse_registrations
 from xds.resources import control_plane_spiffe_id as control_plane_spiffe_id
 from xds.server import AdsServer, PeerIdentity, warm
-from xds.state import MeshState, Registration, Status, Trigger
+from xds.state import MeshState, Registration, Status, Trigger, WorkloadState
 from xds.store import GroupCommitStore
 from xds.store_pg import Changes, Leadership, follow, is_postgres_url, open_store, share_ca
 
@@ -242,11 +242,55 @@ def node_may_fetch(state: MeshState, node: str, peer: PeerIdentity) -> bool:
     return any(c.serial == peer.serial for c in w.certificates)
 
 
-def authorize_node(cp: ControlPlane) -> Callable[[str, PeerIdentity], bool]:
-    def authorize(node: str, peer: PeerIdentity) -> bool:
-        return node_may_fetch(cp.state, node, peer)
+class NodeAuthorizer:
+    """``authorize(node, peer)``: :func:`node_may_fetch` against the control plane's current
+    state, asked on every push. The answer is a pure function of the node's workload record
+    (immutable: any change of status, certificates or registration makes a new one), the
+    trust domain and the peer, so the last answer per node is kept with the record it was
+    decided on and given again only while the node's record is that very object: within one
+    state (a fan-out) it costs an identity check; after the state changed, a lookup of the
+    node's record; a changed record (a quarantine, a renewal, a release) is decided afresh on
+    the next push. Bounded: entries are made only for nodes that exist, and cleared when they
+    outnumber the mesh; no old state is kept (only the current one, and per node its record
+    as last decided)."""
 
-    return authorize
+    __slots__ = ("_cp", "_epoch", "_memo", "_state")
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self._cp = cp
+        self._state: MeshState | None = None  # the state the current epoch's checks read
+        self._epoch = 0
+        # node -> (epoch it was last confirmed in, record, trust domain, peer, answer)
+        self._memo: dict[str, tuple[int, WorkloadState, str, PeerIdentity, bool]] = {}
+
+    def __call__(self, node: str, peer: PeerIdentity) -> bool:
+        state = self._cp.state
+        if state is not self._state:
+            self._state = state
+            self._epoch += 1
+        epoch, memo = self._epoch, self._memo
+        hit = memo.get(node)
+        if hit is not None and hit[3] is peer:
+            if hit[0] == epoch:
+                return hit[4]
+            w = state.workloads.get(node)
+            if w is not None and hit[1] is w and hit[2] == state.trust_domain:
+                memo[node] = (epoch, w, hit[2], peer, hit[4])
+                return hit[4]
+        else:
+            w = state.workloads.get(node)
+        if w is None:
+            memo.pop(node, None)
+            return False
+        ok = node_may_fetch(state, node, peer)
+        if len(memo) > 2 * len(state.workloads) + 1024:
+            memo.clear()  # nodes that left
+        memo[node] = (epoch, w, state.trust_domain, peer, ok)
+        return ok
+
+
+def authorize_node(cp: ControlPlane) -> Callable[[str, PeerIdentity], bool]:
+    return NodeAuthorizer(cp)
 
 
 async def _rotate_server_cert(
