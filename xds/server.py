@@ -37,7 +37,9 @@ Delta (``DeltaAggregatedResources``), per stream and type:
   a control-plane restart.
 - A change costs, per stream and type, one comparison of the snapshot's per-type version (or
   mapping identity); only when that differs are the resources compared, one memoized version
-  lookup each. Streams hold references to the shared bytes, never copies.
+  lookup each. Streams hold references to the shared bytes, never copies. Nonces come from
+  one increasing count for the process (unique on each stream), so the streams sent the same
+  change are sent the very same response bytes, nonce and all (:func:`_numbered_response`).
 - A NACK (``error_detail`` set) is counted and logged. The client kept what it had, so the
   server's record of it is rolled back to before that response; the rejected versions are not
   offered again (no resend loop): a resource goes out again once it changes (or is asked for).
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import warnings
@@ -269,7 +272,7 @@ class DeltaSession:
         # clusters CDS updated before EDS was subscribed on this stream (a reconnect: the EDS
         # request, carrying versions the client holds, may come after the CDS answer)
         self._clusters_before_eds: set[str] | None = None
-        self._nonce = 0
+        self._nonce = 0  # the number of the last nonce given (from _nonces: they increase)
         self.nacks: list[tuple[TypeUrl, str]] = []  # (type, Envoy's message), newest last
 
     def on_request(self, req: DeltaDiscoveryRequest) -> bool:
@@ -428,7 +431,8 @@ class DeltaSession:
             have, rejected = st.have, st.rejected
             changes: list[tuple[str, str | None, str | None]]
             changes = [(n, have.get(n), v) for n, v, _ in changed]
-            changes.extend((n, have.get(n), None) for n in removed)
+            if removed:
+                changes.extend((n, have.get(n), None) for n in removed)
             for name, given, _ in changed:
                 have[name] = given
             for name in removed:
@@ -438,17 +442,40 @@ class DeltaSession:
                     rejected.pop(name, None)
             if type_url is TypeUrl.CLUSTER and changed:
                 self._eds_after_cds(changed)
-            self._nonce += 1
-            nonce = str(self._nonce)
-            st.sent[nonce] = _DeltaSent(self._clock(), tuple(changes))
-            if len(st.sent) > _NONCES_KEPT:
-                del st.sent[next(iter(st.sent))]
-            yield _delta_response(version, type_url, nonce, changed, removed)
+            number, message, nonce = _numbered_response(
+                self._nonce, version, type_url, changed, removed
+            )
+            self._nonce = number
+            sent = st.sent
+            sent[nonce] = _DeltaSent(self._clock(), tuple(changes))
+            if len(sent) > _NONCES_KEPT:
+                del sent[next(iter(sent))]
+            yield message
 
 
 _FRAMED_MAX = 512  # distinct pre-framed delta bodies kept (cleared when full)
 _FRAMED_RESOURCES = 16  # responses with more resources are framed per stream (a first answer)
-_framed: dict[tuple[object, ...], bytes] = {}
+
+
+class _Numbered:
+    """One pre-framed delta body and the last whole response made of it: its nonce (a number
+    from :data:`_nonces`) and ``system_version_info`` around the body."""
+
+    __slots__ = ("body", "message", "nonce", "number", "version")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.number = 0
+        self.version = ""
+        self.nonce = ""
+        self.message = b""
+
+
+_nonces = itertools.count(1)
+"""The delta streams' nonces: one increasing count for the process, so a stream's nonces
+increase (each is unique on its stream) and streams sent the same change can be sent the
+very same response, nonce included."""
+_numbered: dict[tuple[object, ...], _Numbered] = {}
 
 
 def _text_field(number: int, text: str) -> bytes:
@@ -465,6 +492,25 @@ def _text_field(number: int, text: str) -> bytes:
     return bytes((number << 3 | 2,)) + bytes(size) + data
 
 
+def _entry(
+    type_url: TypeUrl, changed: list[tuple[str, str, bytes]], removed: list[str]
+) -> _Numbered:
+    """The pre-framed body (resources, type, removals) of a delta response, framed once for
+    every stream that is sent the same change (a push after a change: the same resources,
+    the same versions, the same removals); the per-stream fields (``system_version_info``,
+    ``nonce``) go around it (protobuf fields may come in any order)."""
+    # the packed bytes themselves (shared by the snapshots; bytes cache their hash): correct
+    # whatever ``versions`` says, and a hit compares by identity first
+    key = (type_url, tuple(changed), tuple(removed))
+    entry = _numbered.get(key)
+    if entry is None:
+        if len(_numbered) >= _FRAMED_MAX:
+            _numbered.clear()
+        body = pb.encode_delta_discovery_response("", type_url, "", changed, removed)
+        entry = _numbered[key] = _Numbered(body)
+    return entry
+
+
 def _delta_response(
     version: str,
     type_url: TypeUrl,
@@ -472,23 +518,41 @@ def _delta_response(
     changed: list[tuple[str, str, bytes]],
     removed: list[str],
 ) -> bytes:
-    """``pb.encode_delta_discovery_response``, its body (resources, type, removals) framed
-    once for every stream that is sent the same change (a push after a change: the same
-    resources, the same versions, the same removals); the per-stream fields
-    (``system_version_info``, ``nonce``) go around it (protobuf fields may come in any
-    order)."""
+    """``pb.encode_delta_discovery_response``, its body framed once (:func:`_entry`)."""
     if len(changed) + len(removed) > _FRAMED_RESOURCES:
         return pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
-    # the packed bytes themselves (shared by the snapshots; bytes cache their hash): correct
-    # whatever ``versions`` says, and a hit compares by identity first
-    key = (type_url, tuple(changed), tuple(removed))
-    body = _framed.get(key)
-    if body is None:
-        if len(_framed) >= _FRAMED_MAX:
-            _framed.clear()
-        body = _framed[key] = pb.encode_delta_discovery_response("", type_url, "", changed, removed)
+    body = _entry(type_url, changed, removed).body
     head = _text_field(1, version) if version else b""
     return head + body + _text_field(5, nonce) if nonce else head + body
+
+
+def _numbered_response(
+    after: int,
+    version: str,
+    type_url: TypeUrl,
+    changed: list[tuple[str, str, bytes]],
+    removed: list[str],
+) -> tuple[int, bytes, str]:
+    """(nonce number, the encoded DeltaDiscoveryResponse, its nonce) for a stream whose last
+    nonce was number ``after``: the nonce is above it (unique on the stream), and every
+    stream sent the same change with the same ``system_version_info`` while that nonce is
+    above its own last one is given the very same bytes (one response framed per change,
+    not per stream; a stream that already holds a later nonce gets a fresh one, and later
+    streams share that)."""
+    if len(changed) + len(removed) > _FRAMED_RESOURCES:
+        number = next(_nonces)
+        nonce = str(number)
+        message = pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
+        return number, message, nonce
+    entry = _entry(type_url, changed, removed)
+    if entry.number > after and entry.version == version:
+        return entry.number, entry.message, entry.nonce
+    number = entry.number = next(_nonces)
+    nonce = entry.nonce = str(number)
+    entry.version = version
+    head = _text_field(1, version) if version else b""
+    entry.message = head + entry.body + _text_field(5, nonce)
+    return number, entry.message, nonce
 
 
 class AdsServer:
