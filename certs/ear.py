@@ -50,6 +50,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -235,18 +236,24 @@ def _json_segment(doc: Mapping[str, Any]) -> str:
     return b64url(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
+@functools.lru_cache(maxsize=16)
+def _header_segment(signer: x509.Certificate) -> str:
+    """The JWS header naming ``signer`` (the same for every EAR one intermediate signs)."""
+    header = {
+        "alg": "ES256",
+        "typ": "JWT",
+        "x5t#S256": b64url(signer.fingerprint(hashes.SHA256())),
+    }
+    return _json_segment(header)
+
+
 def sign_ear(claims_set: Mapping[str, Any], key: ec.EllipticCurvePrivateKey,
              signer: x509.Certificate) -> str:  # fmt: skip
     """The compact JWS of ``claims_set``, ES256 with ``key`` (P-256); the header names
     ``signer`` (the certificate of ``key``) by ``x5t#S256``."""
     if key.curve.name != "secp256r1":
         raise ValueError("ES256 needs a P-256 key")
-    header = {
-        "alg": "ES256",
-        "typ": "JWT",
-        "x5t#S256": b64url(signer.fingerprint(hashes.SHA256())),
-    }
-    signing_input = f"{_json_segment(header)}.{_json_segment(claims_set)}"
+    signing_input = f"{_header_segment(signer)}.{_json_segment(claims_set)}"
     der = key.sign(signing_input.encode("ascii"), ec.ECDSA(hashes.SHA256()))
     r, s = decode_dss_signature(der)
     return f"{signing_input}.{b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
@@ -373,8 +380,25 @@ class Cmw:
 def encode_cmw_extension(token: str) -> bytes:
     """The extnValue: DER ``cbor OCTET STRING`` holding the CBOR record ``[media type,
     bytes(JWT), ind=Attestation Results]`` (draft-ietf-rats-msg-wrap §3.1, §4.3)."""
-    record = cbor2.dumps([EAR_MEDIA_TYPE, token.encode("ascii"), CMW_IND_ATTESTATION_RESULTS])
+    record = _CMW_RECORD_HEAD + _cbor_head(2, len(token)) + token.encode("ascii") + _CMW_RECORD_TAIL
     return b"\x04" + _der_length(len(record)) + record
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    """A CBOR item head (RFC 8949 §3), shortest form (§4.2.1 deterministic encoding)."""
+    if n < 24:
+        return bytes((major << 5 | n,))
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if n < 1 << (8 * size):
+            return bytes((major << 5 | info,)) + n.to_bytes(size, "big")
+    raise ValueError("a CBOR length is at most 64 bits")
+
+
+# The Record CMW is the array [media type (text), token (bytes), ind (unsigned)]: everything but
+# the token's bytes is the same for every leaf (what ``cbor2.dumps`` writes, byte for byte).
+_CMW_MEDIA = EAR_MEDIA_TYPE.encode()
+_CMW_RECORD_HEAD = _cbor_head(4, 3) + _cbor_head(3, len(_CMW_MEDIA)) + _CMW_MEDIA
+_CMW_RECORD_TAIL = _cbor_head(0, CMW_IND_ATTESTATION_RESULTS)
 
 
 def decode_cmw_extension(value: bytes) -> Cmw:
