@@ -196,6 +196,27 @@ def decode_sotw(data: bytes) -> SotwRequest:
 
 
 def decode_delta(data: bytes) -> DeltaRequest:
+    # the request a server receives most, an ACK: type_url (2) then response_nonce (6), each
+    # shorter than 128 bytes, and nothing else (no node: sent on a stream's first request)
+    end = len(data)
+    if end >= 4 and data[0] == 0x12:
+        a = data[1]
+        if (
+            a < 0x80
+            and 4 + a <= end
+            and data[2 + a] == 0x32
+            and data[3 + a] < 0x80
+            and 4 + a + data[3 + a] == end
+        ):
+            req = DeltaRequest()
+            req.type_url = _str(data, 2, 2 + a)
+            req.response_nonce = _str(data, 4 + a, end)
+            return req
+    return _decode_delta(data)
+
+
+def _decode_delta(data: bytes) -> DeltaRequest:
+    """:func:`decode_delta`, every field read in turn."""
     req = DeltaRequest()
     for num, a, b, wt in _fields(data, 0, len(data)):
         if num == 1:

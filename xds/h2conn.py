@@ -451,7 +451,12 @@ class H2Server:
 
     def _receive(self, data: bytes) -> None:
         buf = self._buf
-        buf += data
+        src: bytes | bytearray
+        if buf or self._preface:
+            buf += data
+            src = buf
+        else:  # nothing held back (the common case): frames are read from ``data`` itself
+            src = bytes(data)
         if self._preface:
             n = min(len(buf), len(PREFACE))
             if buf[:n] != PREFACE[:n]:
@@ -461,23 +466,26 @@ class H2Server:
             del buf[: len(PREFACE)]
             self._preface = False
         pos = 0
-        end = len(buf)
+        end = len(src)
         max_in = DEFAULT_FRAME  # we never advertise a larger SETTINGS_MAX_FRAME_SIZE
         try:
             while end - pos >= 9:
-                length = buf[pos] << 16 | buf[pos + 1] << 8 | buf[pos + 2]
+                length = src[pos] << 16 | src[pos + 1] << 8 | src[pos + 2]
                 if length > max_in:
                     raise H2Error(ErrorCode.FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 if end - pos < 9 + length:
                     break
-                kind, flags = buf[pos + 3], buf[pos + 4]
-                sid = _HDR.unpack_from(buf, pos + 5)[0] & 0x7FFFFFFF
-                payload = bytes(buf[pos + 9 : pos + 9 + length])
+                kind, flags = src[pos + 3], src[pos + 4]
+                sid = _HDR.unpack_from(src, pos + 5)[0] & 0x7FFFFFFF
+                payload = bytes(src[pos + 9 : pos + 9 + length])  # a copy only of a bytearray
                 pos += 9 + length
                 self._frame_in(kind, flags, sid, payload)
         finally:
-            if pos:
-                del buf[:pos]
+            if src is buf:
+                if pos:
+                    del buf[:pos]
+            elif pos < end:
+                buf += memoryview(src)[pos:]  # the start of a frame: held for the next read
 
     def _refund_updates(self) -> None:
         """A DATA frame sent earns the peer the two WINDOW_UPDATEs (stream, connection) an
@@ -732,6 +740,20 @@ class H2Server:
 
     def _messages(self, sid: int, st: _Stream, data: bytes) -> bool:
         """Add ``data`` to the stream's message; True if it completed one (or more)."""
+        limits = self._limits
+        if st.buf is None and len(data) >= 5 and data[0] == 0:
+            # the common case (an ACK): exactly one whole message in one frame, nothing held
+            # before it; what the general path below does, without buffering it
+            n = _HDR.unpack_from(data, 1)[0]
+            if (
+                n + 5 == len(data)
+                and n <= limits.max_message
+                and self._buffered + len(data) <= limits.max_message + 5
+            ):
+                if self._budget < limits.control_budget:
+                    self._budget += 1
+                self._handler.on_message(sid, data[5:])
+                return True
         if self._buffered + len(data) > self._limits.max_message + 5:
             # the windows are given back as bytes arrive, so they bound nothing here: what
             # all streams hold of incomplete messages is bounded by one message instead
