@@ -6,8 +6,9 @@ it: control-plane CPU until every caller stream (N/2) has ACKed a response witho
 member's endpoint. Prints each round and the median.
 
 Run: ``python -m benchmarks.bench_quarantine --n 2000`` (``--py-spy DIR``: the last round is
-profiled with py-spy into ``DIR/quarantine-<victim>.txt``, folded stacks, and left out of the
-median; ``--controlplane-cmd``: the executable under test, as in bench_scale).
+profiled with py-spy into ``DIR/quarantine-<round>-<victim>.txt``, folded stacks, and left out of
+the median; ``--py-spy-rounds K``: the last K rounds; ``--controlplane-cmd``: the executable
+under test, as in bench_scale).
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ def user_sys(pid: int) -> tuple[float, float]:
 
 
 async def rounds(
-    run: MeshRun, session: aiohttp.ClientSession, py_spy: Path | None, count: int
+    run: MeshRun,
+    session: aiohttp.ClientSession,
+    py_spy: Path | None,
+    count: int,
+    profiled_rounds: int = 1,
+    rate: int = 500,
 ) -> list[float]:
     members = [w for w in run.mesh if w.name in {f"w{2 * k + 1}" for k in range(TARGET_MEMBERS)}]
     cpus: list[float] = []
     for k in range(count):
         victim = members[k % len(members)]
-        profiled = py_spy is not None and k == count - 1
+        profiled = py_spy is not None and k >= count - profiled_rounds
         if k >= len(members):  # released and attested again: its endpoint is back
             await run.cp.ops(session, "POST", f"/v1/admin/workloads/{victim.name}/release", {})
             ok = await run.attest([{"workload": victim.name, "token": victim.token}], 1, 1, 60)
@@ -61,8 +67,8 @@ async def rounds(
         await asyncio.gather(*(w.call(mark) for w in run.ads))
         meter = run.cp.meter()
         await meter.settle()
-        prof = Profiler(py_spy if profiled else None, rate=500)
-        async with prof.phase(run.cp.pid, f"quarantine-{victim.name}"):
+        prof = Profiler(py_spy if profiled else None, rate=rate)
+        async with prof.phase(run.cp.pid, f"quarantine-{k}-{victim.name}"):
             cpu0, us0 = meter.sample(), user_sys(run.cp.pid)
             t0 = time.monotonic()
             await run.cp.ops(
@@ -79,7 +85,8 @@ async def rounds(
         last = max((o["last"] for o in outs if o["last"] is not None), default=t_ret)
         cpu = meter.delta(cpu0, cpu1)
         log(
-            f"quarantine {victim.name}: CPU {cpu:.3f} s (user {us1[0] - us0[0]:.2f}, "
+            f"quarantine {victim.name}: CPU {cpu:.3f} s "
+            f"({1e6 * cpu / max(1, callers):.0f} us per caller; user {us1[0] - us0[0]:.2f}, "
             f"sys {us1[1] - us0[1]:.2f}), ops call {t_ret - t0:.3f} s, "
             f"-> last ACK {last - t_ret:.3f} s, taken {taken}/{callers}, "
             f"{touched} non-callers touched{' (profiled)' if profiled else ''}"
@@ -117,12 +124,17 @@ async def amain(args: argparse.Namespace) -> None:
             if not await run.setup(f) or not await run.open_streams(f, run.lean):
                 raise SystemExit(f"setup failed: {f.notes}")
             log(f"N={args.n}: {f.values}")
-            cpus = await rounds(run, session, args.py_spy, args.rounds)
+            cpus = await rounds(
+                run, session, args.py_spy, args.rounds, args.py_spy_rounds, args.py_spy_rate
+            )
     finally:
         await run.close_workers()
         run.shutdown()
+    if not cpus:
+        return
     print(
         f"N={args.n} quarantine CPU s: median {statistics.median(cpus):.3f} "
+        f"({1e6 * statistics.median(cpus) / (args.n // 2):.0f} us per caller) "
         f"of {[round(c, 3) for c in cpus]} (workdir {workdir})",
         flush=True,
     )
@@ -135,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controlplane-cmd", default=str(Path(sys.executable).parent / "attestmesh"))
     p.add_argument("--rounds", type=int, default=8, help="quarantines measured")
     p.add_argument("--py-spy", type=Path, help="profile the last round into this directory")
+    p.add_argument("--py-spy-rounds", type=int, default=1, help="the last K rounds profiled")
+    p.add_argument("--py-spy-rate", type=int, default=500, help="samples per second")
     p.add_argument("--workdir", type=Path)
     asyncio.run(amain(p.parse_args(argv)))
     return 0
