@@ -44,8 +44,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from certs.ca import slots
+from certs.ca.der import certificate_pem
 from certs.ca.slots import NEXT_SLOT, PREVIOUS_SLOT
-from certs.ca.templates import BACKDATE, Issuer, build_crl, ca_certificate
+from certs.ca.templates import BACKDATE, Issuer, ca_certificate, sign_crl
 from certs.errors import AttestmeshError
 from certs.keystore import FILE_KEYS, KeyStore
 from certs.policy import MAX_TTL
@@ -157,7 +158,7 @@ class CertificateAuthority:
         159-bit numbers, so a serial names one leaf whichever CRL lists it."""
         entries = list(revoked)
         return b"".join(
-            build_crl(issuer, entries, now, next_update).public_bytes(serialization.Encoding.PEM)
+            certificate_pem(sign_crl(issuer, entries, now, next_update), b"X509 CRL")
             for issuer in self.issuers
         )
 

@@ -14,6 +14,7 @@ byte for byte what the builder makes from the same inputs (a property test compa
 from __future__ import annotations
 
 import binascii
+import functools
 import hashlib
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from datetime import UTC, datetime
 # AlgorithmIdentifier ecdsa-with-SHA256 (RFC 5758 §3.2: the parameters are absent)
 ECDSA_WITH_SHA256 = bytes.fromhex("300a06082a8648ce3d040302")
 _VERSION_3 = bytes.fromhex("a003020102")  # [0] EXPLICIT INTEGER 2
+_VERSION_2 = bytes.fromhex("020101")  # a CRL's INTEGER 1 (v2)
 _TRUE = bytes.fromhex("0101ff")
 MAX_SERIAL_BITS = 159  # what the builder accepts (RFC 5280 §4.1.2.2: at most 20 octets)
 
@@ -110,6 +112,12 @@ def key_identifier(spki: bytes) -> bytes:
     return hashlib.sha1(subject_public_key(spki), usedforsecurity=False).digest()
 
 
+def _serial(serial: int) -> bytes:
+    if serial <= 0 or serial.bit_length() > MAX_SERIAL_BITS:
+        raise ValueError(f"a serial number is positive and at most {MAX_SERIAL_BITS} bits")
+    return integer(serial)
+
+
 def tbs_certificate(
     *,
     serial: int,
@@ -122,13 +130,11 @@ def tbs_certificate(
 ) -> bytes:
     """The TBSCertificate (v3, ecdsa-with-SHA256) from DER pieces: the Names, the
     SubjectPublicKeyInfo and each Extension as DER."""
-    if serial <= 0 or serial.bit_length() > MAX_SERIAL_BITS:
-        raise ValueError(f"a serial number is positive and at most {MAX_SERIAL_BITS} bits")
     if not_after < not_before:
         raise ValueError("notAfter is before notBefore")
     return sequence(
         _VERSION_3,
-        integer(serial),
+        _serial(serial),
         ECDSA_WITH_SHA256,
         issuer_name,
         sequence(time(not_before), time(not_after)),
@@ -138,17 +144,47 @@ def tbs_certificate(
     )
 
 
+@functools.lru_cache(maxsize=1 << 15)
+def _revoked_entry(serial: int, at: datetime) -> bytes:
+    """One revokedCertificates entry. A revocation stays listed, unchanged, in every CRL until
+    its certificate expires: each CRL re-signed after it re-uses its DER (a pure function of
+    its arguments; bounded)."""
+    return sequence(_serial(serial), time(at))
+
+
+def tbs_cert_list(
+    *,
+    issuer_name: bytes,
+    this_update: datetime,
+    next_update: datetime,
+    revoked: Iterable[tuple[int, datetime]],
+    extensions: Iterable[bytes],
+) -> bytes:
+    """A v2 TBSCertList (RFC 5280 §5.1, ecdsa-with-SHA256): each revoked (serial, date) in the
+    given order, without entry extensions; no revokedCertificates when there are none."""
+    entries = b"".join([_revoked_entry(serial, at) for serial, at in revoked])
+    return sequence(
+        _VERSION_2,
+        ECDSA_WITH_SHA256,
+        issuer_name,
+        time(this_update),
+        time(next_update),
+        tlv(0x30, entries) if entries else b"",
+        tlv(0xA0, sequence(*extensions)),
+    )
+
+
 def certificate(tbs: bytes, signature: bytes) -> bytes:
-    """The Certificate: ``tbs``, ecdsa-with-SHA256 and ``signature`` (the DER ECDSA-Sig-Value
-    the signer made over ``tbs``) as a BIT STRING."""
+    """The Certificate (or CertificateList): ``tbs``, ecdsa-with-SHA256 and ``signature`` (the
+    DER ECDSA-Sig-Value the signer made over ``tbs``) as a BIT STRING."""
     return sequence(tbs, ECDSA_WITH_SHA256, tlv(0x03, b"\x00" + signature))
 
 
-def certificate_pem(der: bytes) -> bytes:
-    """PEM of a DER certificate (RFC 7468: 64-column base64 lines, each of 48 bytes), as
-    ``public_bytes`` writes it."""
+def certificate_pem(der: bytes, label: bytes = b"CERTIFICATE") -> bytes:
+    """PEM of a DER certificate (or of another ``label``: ``X509 CRL``) (RFC 7468: 64-column
+    base64 lines, each of 48 bytes), as ``public_bytes`` writes it."""
     lines = b"".join([binascii.b2a_base64(der[i : i + 48]) for i in range(0, len(der), 48)])
-    return b"-----BEGIN CERTIFICATE-----\n" + lines + b"-----END CERTIFICATE-----\n"
+    return b"-----BEGIN " + label + b"-----\n" + lines + b"-----END " + label + b"-----\n"
 
 
 __all__ = [
@@ -162,6 +198,7 @@ __all__ = [
     "oid",
     "sequence",
     "subject_public_key",
+    "tbs_cert_list",
     "tbs_certificate",
     "time",
     "tlv",

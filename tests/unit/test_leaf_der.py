@@ -1,11 +1,13 @@
-"""The mesh leaf from DER pieces (certs.ca.der, certs.ca.templates.sign_leaf) is byte for byte
-what x509.CertificateBuilder makes of the same inputs: the builder path is kept here, as the
-reference, and compared over random inputs (both signed deterministically, RFC 6979)."""
+"""The mesh leaf and the CRL from DER pieces (certs.ca.der, certs.ca.templates.sign_leaf and
+sign_crl) are byte for byte what x509.CertificateBuilder and CertificateRevocationListBuilder
+make of the same inputs: the builder paths are kept here, as the reference, and compared over
+random inputs (both signed deterministically, RFC 6979)."""
 
 from __future__ import annotations
 
 import base64
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -15,9 +17,17 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certs.ca import der
+from certs.ca import CertificateAuthority, der
 from certs.ca.claims import CLAIMS_CLASS_ORG, CLAIMS_OID
-from certs.ca.templates import Issuer, build_leaf, ca_certificate, leaf_validity, sign_leaf
+from certs.ca.templates import (
+    BACKDATE,
+    Issuer,
+    build_leaf,
+    ca_certificate,
+    leaf_validity,
+    sign_crl,
+    sign_leaf,
+)
 from certs.ear import CMW_OID
 
 
@@ -270,3 +280,54 @@ def test_certificate_pem_wraps_base64_at_64_columns(data: bytes) -> None:
     lines = [text[i : i + 64] + "\n" for i in range(0, len(text), 64)]
     expected = "-----BEGIN CERTIFICATE-----\n" + "".join(lines) + "-----END CERTIFICATE-----\n"
     assert der.certificate_pem(data) == expected.encode()
+
+
+def reference_crl(
+    issuer: Issuer, revoked: list[tuple[int, datetime]], now: datetime, next_update: timedelta
+) -> bytes:
+    """The CRL as the CertificateRevocationListBuilder made it before the DER template."""
+    entries = [
+        x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(at).build()
+        for serial, at in sorted(revoked)
+    ]
+    builder = (
+        x509.CertificateRevocationListBuilder(revoked_certificates=entries)
+        .issuer_name(issuer.cert.subject)
+        .last_update(now - BACKDATE)
+        .next_update(now + next_update)
+        .add_extension(issuer.key_identifier, critical=False)
+    )
+    crl = builder.sign(issuer.key, hashes.SHA256(), ecdsa_deterministic=True)
+    return crl.public_bytes(serialization.Encoding.DER)
+
+
+times = st.datetimes(
+    min_value=datetime(1951, 1, 1), max_value=datetime(2090, 1, 1), timezones=st.just(UTC)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(ISSUERS),
+    st.lists(st.tuples(st.integers(min_value=1, max_value=(1 << 159) - 1), times), max_size=60),
+    times,
+    st.timedeltas(min_value=timedelta(seconds=1), max_value=timedelta(days=400)),
+)
+def test_crl_from_der_pieces_is_the_builders_crl_byte_for_byte(
+    issuers: tuple[Issuer, Issuer],
+    revoked: list[tuple[int, datetime]],
+    now: datetime,
+    next_update: timedelta,
+) -> None:
+    reference_issuer, issuer = issuers
+    expected = reference_crl(reference_issuer, revoked, now, next_update)
+    assert sign_crl(issuer, revoked, now, next_update) == expected
+
+
+def test_the_crl_pem_set_parses_and_is_signed_by_each_issuer(tmp_path: Path) -> None:
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca", TD, NOW)
+    pem = ca.crl_pem([(5, NOW), (3, NOW - timedelta(hours=1))], NOW, timedelta(hours=24))
+    crl = x509.load_pem_x509_crl(pem)  # (one live intermediate: one CRL)
+    assert crl.is_signature_valid(ca.intermediate.cert.public_key())  # type: ignore[arg-type]
+    assert [r.serial_number for r in crl] == [3, 5]
+    assert crl.next_update_utc == NOW + timedelta(hours=24)
