@@ -98,11 +98,10 @@ CRL_COALESCE = timedelta(seconds=5)
 # against 218-228 and /healthz p99 was 259-467 ms against 132-201.
 CRYPTO_THREADS = min(32, (os.cpu_count() or 1) + 4)
 # Attestations past their identity, nonce and collateral checks wait here for one of this many
-# places; verification, signing, the decision, its store write and the answer run in one. The
-# loop's work per attestation is about 1 ms and the crypto holds the GIL, so the rate needs
-# only a few in flight; 64 clients all admitted at once made each loop iteration run dozens of
-# attestations' steps (a group commit resolving 30 answers at a time): /healthz and ADS waited
-# that long (p99 200-600 ms at 64 clients, bench_issuance).
+# places; verification, signing and the decision (its write queued) run in one, the wait for the
+# group commit does not. The crypto holds the GIL, so the rate needs only a few in flight; with
+# 64 clients all admitted at once each loop iteration ran dozens of attestations' steps, and
+# /healthz and ADS waited that long (p99 160-220 ms at 64 clients, bench_issuance).
 ISSUING = 8
 _T = TypeVar("_T")
 # A vendor service that is down or answers with an error is not the workload's failure: the
@@ -691,8 +690,12 @@ class ControlPlane:
             raise
         full = req if collateral is None else replace(req, collateral=collateral)
         # (after the collateral: a slow vendor service holds no place in the gate)
-        async with self._issuing:
-            return await self._issue(full, now, governing, interval, spiffe, ca, started)
+        await self._issuing.acquire()
+        place = _Place(self._issuing)
+        try:
+            return await self._issue(full, now, governing, interval, spiffe, ca, started, place)
+        finally:
+            place.leave()
 
     async def _issue(
         self,
@@ -703,8 +706,11 @@ class ControlPlane:
         spiffe: str,
         ca: CertificateAuthority,
         started: float,
+        place: _Place,
     ) -> Issued:
-        """``attest`` from verification to the durable decision, inside the issuing gate."""
+        """``attest`` from verification to the durable answer; the ``place`` in the issuing
+        gate is given back once the decision is made and its write queued (waiting for the
+        group commit takes no CPU: the next attestation may be verified meanwhile)."""
         ensure_may_issue(self._state, req.workload)  # quarantined while it waited: refused now
         try:
             signed = await self._off_loop(
@@ -745,6 +751,7 @@ class ControlPlane:
             workload=req.workload,
             before=before,
         )
+        place.leave()
         if durable is not None:
             try:
                 await asyncio.shield(durable)  # nothing is acknowledged before it is durable
@@ -1161,6 +1168,20 @@ def _revokes_now(state: MeshState, r: Revocation) -> bool:
     for the coalesced re-signing)."""
     w = state.workloads.get(r.workload)
     return w is None or w.status is not Status.ATTESTED
+
+
+class _Place:
+    """A place taken in the issuing gate (``ControlPlane._issuing``), given back once."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: asyncio.Semaphore) -> None:
+        self._gate: asyncio.Semaphore | None = gate
+
+    def leave(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.release()
 
 
 def _serial_of(issuer: Issuer | None) -> str:

@@ -1,6 +1,6 @@
-"""The issuing gate (service.ISSUING): at most that many attestations are between verification
-and their durable answer; the others wait before any crypto, and one quarantined while it
-waited is refused when its turn comes, unverified and unsigned."""
+"""The issuing gate (service.ISSUING): at most that many attestations are being verified, signed
+and decided at once; the others wait before any crypto, and one quarantined while it waited is
+refused when its turn comes, unverified and unsigned. Waiting for the store holds no place."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from tests.component.test_review_nonce import PLATFORM, HeldStore, request
 from tests.unit.fixtures_core import NOW, Clock, make_control_plane, registration
 from xds.state import Status, Trigger
 
+EXTRA = 4
+
 
 async def _until(predicate: Any) -> None:
     async with asyncio.timeout(20):
@@ -23,42 +25,57 @@ async def _until(predicate: Any) -> None:
             await asyncio.sleep(0.01)
 
 
-async def test_at_most_issuing_attestations_are_verified_and_waiting_for_the_store(
+def _plane(tmp_path: Path) -> tuple[Any, list[Any]]:
+    regs = [registration(f"w-{i}", port=15000 + i) for i in range(service.ISSUING + EXTRA)]
+    p = make_control_plane(tmp_path, clock=Clock(NOW), platform_key=PLATFORM, registrations=regs)
+    p.cp._limiter = AttestationLimiter(burst=100)
+    return p, regs
+
+
+async def test_at_most_issuing_attestations_are_verified_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    extra = 4
-    regs = [registration(f"w-{i}", port=15000 + i) for i in range(service.ISSUING + extra)]
-    p = make_control_plane(tmp_path, clock=Clock(NOW), platform_key=PLATFORM, registrations=regs)
+    p, regs = _plane(tmp_path)
     cp = p.cp
-    cp._limiter = AttestationLimiter(burst=100)
-    store = HeldStore(p.store)
-    cp._store = store
-    verified: list[str] = []
-    real = service._verify_and_sign
+    crypto = asyncio.Event()
+    verifying: list[str] = []
+    real = cp._off_loop
 
-    def counting(req: Any, *args: Any) -> Any:
-        verified.append(req.workload)
-        return real(req, *args)
+    async def held(fn: Any, req: Any, *args: Any) -> Any:
+        verifying.append(req.workload)
+        await crypto.wait()
+        return await real(fn, req, *args)
 
-    monkeypatch.setattr(service, "_verify_and_sign", counting)
+    monkeypatch.setattr(cp, "_off_loop", held)
     tasks = [
         asyncio.ensure_future(cp.attest(request(r.name, cp.challenge()[0]), None)) for r in regs
     ]
-    await _until(lambda: len(store.held) == service.ISSUING)
-    await asyncio.sleep(0.3)  # the others stay in the gate while those wait for the store
-    assert len(store.held) == service.ISSUING
-    assert len(verified) == service.ISSUING
+    await _until(lambda: len(verifying) == service.ISSUING)
+    await asyncio.sleep(0.3)  # the others stay in the gate while those are verified
+    assert len(verifying) == service.ISSUING
     waiting = regs[-1].name
-    assert waiting not in verified
+    assert waiting not in verifying
     assert cp.quarantine(waiting, Trigger.OPERATOR, "drill")
     assert cp.status_of(waiting) is Status.QUARANTINED
-    while not all(t.done() for t in tasks):
-        store.release()  # (the quarantine's own write too)
-        await asyncio.sleep(0.01)
-        assert sum(not f.done() for f in store.held) <= service.ISSUING + 1
+    crypto.set()
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     refused = outcomes.pop()
     assert isinstance(refused, QuarantinedError)
     assert all(not isinstance(o, BaseException) for o in outcomes)
-    assert waiting not in verified  # refused before verification: nothing was signed for it
-    assert len(verified) == len(regs) - 1
+    assert waiting not in verifying  # refused before verification: nothing was signed for it
+    assert len(verifying) == len(regs) - 1
+
+
+async def test_an_answer_waiting_for_the_store_holds_no_place(tmp_path: Path) -> None:
+    p, regs = _plane(tmp_path)
+    cp = p.cp
+    store = HeldStore(p.store)
+    cp._store = store
+    tasks = [
+        asyncio.ensure_future(cp.attest(request(r.name, cp.challenge()[0]), None)) for r in regs
+    ]
+    await _until(lambda: len(store.held) == len(regs))  # every one decided, none acknowledged
+    assert not any(t.done() for t in tasks)
+    store.release()
+    for issued in await asyncio.gather(*tasks):
+        assert cp.state.get(issued.workload).status is Status.ATTESTED
