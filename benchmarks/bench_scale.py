@@ -839,6 +839,12 @@ class MeshRun:
             if probe is not None:
                 lat = await probe
                 f.set("healthz_p99_ms", percentile(lat, 99) * 1e3 if lat else None)
+                slow = [f"{at:.2f}s:{ms:.0f}" for at, ms in self.healthz_slow]
+                f.notes.append(
+                    f"issuance at {c}: /healthz p50 {percentile(lat, 50) * 1e3:.1f} ms, "
+                    f"{len(slow)} of {len(lat)} over 20 ms (s into the load: ms): "
+                    + " ".join(slow[:20])
+                )
             client = sum(o.get("client_cpu", 0.0) for o in outs) / secs
             f.notes.append(f"issuance at {c} clients: client processes used {client:.2f} cores")
             log(
@@ -862,6 +868,7 @@ class MeshRun:
         await asyncio.sleep(max(0.0, start_at - time.monotonic()) + 0.2)
         end = start_at + seconds - 0.1
         out = []
+        self.healthz_slow: list[tuple[float, float]] = []  # (s into the load, ms) over 20 ms
         while time.monotonic() < end:
             t0 = time.monotonic()
             try:
@@ -870,6 +877,8 @@ class MeshRun:
                 out.append(time.monotonic() - t0)
             except (aiohttp.ClientError, TimeoutError):
                 out.append(10.0)
+            if out[-1] > 0.02:
+                self.healthz_slow.append((t0 - start_at, out[-1] * 1e3))
             await asyncio.sleep(0.01)
         return out
 
