@@ -442,6 +442,8 @@ class _TLSConnection(Protocol):
 
     def shutdown(self) -> object: ...
 
+    def pending(self) -> int: ...
+
 
 def _check_seam(ctx: _ssl.SSLContext) -> None:
     """``start_h2`` refuses to start unless ``ctx._wrap_socket`` makes a server-side
@@ -616,6 +618,12 @@ class _SocketTLS(asyncio.Transport):
                 break
             chunks.append(chunk)
             got += len(chunk)
+            if len(chunk) < _TLS_CHUNK and not tls.pending():
+                # a record short of full size: most likely all there was, and asking again
+                # costs a recv failing with EAGAIN and an SSLWantReadError (an ACK is one
+                # short record); anything more keeps the socket readable (level-triggered)
+                # and is read on the loop's next turn. A full-size record reads on.
+                break
         if chunks and not self._closing:
             self._corked = True
             try:
