@@ -4,10 +4,12 @@ serving both RPCs of the AggregatedDiscoveryService with the sessions of :mod:`x
 Per connection: one ``H2Server`` (no HPACK encoder; a decoder made on the first HEADERS),
 the peer identity read once from the client certificate. Per stream: a :class:`_Call` and,
 after the first request, the session and the cache's watch, whose event is replaced by a
-:class:`_Wake` that schedules :meth:`AdsConnection.push` (no task per stream). Requests are
-decoded by :mod:`xds.adswire` in ``data_received`` and fed to the session there; an ACK
-costs a decode and a session update. A push costs the session's encoding and one
-``transport.write`` of the framed bytes.
+:class:`_Wake` that queues :meth:`AdsConnection.push` (no task per stream; the streams one
+change wakes are pushed by one loop callback, :class:`_Pushes`). Requests are decoded by
+:mod:`xds.adswire` in ``data_received`` and fed to the session there; an ACK costs a decode
+and a session update. A push costs the session's encoding (streams sent the same change share
+one response, see ``xds.server._numbered_response``) and one ``transport.write`` of the
+framed bytes.
 
 gRPC semantics kept from the grpclib server (and tested against a grpclib client): response
 headers with the first message; trailers ``grpc-status`` (and ``grpc-message``) when the
