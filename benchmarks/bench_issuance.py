@@ -1,10 +1,12 @@
 """bench_scale's issuance phase alone (issue 7), for iterating on the attestation API: a real
 ``attestmesh controlplane`` with N attested workloads and N mTLS ADS streams, then 1 / 8 / 64
 concurrent clients attesting through the HTTPS API (bench_scale phases 1, 2 and 5; no Envoys,
-no quarantines, no OpenBao). Prints the rates, server CPU per attestation and its ratio to the
+no quarantines; with ``--openbao``, OpenBao's pki/sign at 8 and 64 clients after it, as
+bench_scale runs it). Prints the rates, server CPU per attestation and its ratio to the
 unavoidable crypto measured in this run, and /healthz p99 under the 64-client load.
 
-Run: ``python -m benchmarks.bench_issuance [--n 1000] [--load-seconds 6] [--no-streams]``."""
+Run: ``python -m benchmarks.bench_issuance [--n 1000] [--load-seconds 6] [--no-streams]
+[--openbao]``."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from benchmarks.bench_scale import (
     MeshRun,
     Settings,
     crypto_lower_bound,
+    run_bao,
     write_sim_platform,
 )
 from benchmarks.scale_ads import raise_nofile
@@ -103,6 +106,8 @@ async def amain(args: argparse.Namespace) -> Figures:
         finally:
             await run.close_workers()
             run.shutdown()
+        if args.openbao:  # after ours has stopped: the same machine, the same client processes
+            await run_bao(s, f)
         v = f.values
         print(
             f"N={args.n} crypto {crypto_s * 1e3:.3f} ms | rate 1/8/64: "
@@ -112,6 +117,12 @@ async def amain(args: argparse.Namespace) -> Figures:
             f"/healthz p99 {v['healthz_p99_ms']} ms",
             flush=True,
         )
+        if args.openbao and "bao_rate_8" in v and "bao_rate_64" in v:
+            print(
+                f"  OpenBao pki/sign 8/64: {v['bao_rate_8']:.0f} / {v['bao_rate_64']:.0f} /s; ours"
+                f" / OpenBao: {v['rate_8'] / v['bao_rate_8']:.2f}x / "
+                f"{v['rate_64'] / v['bao_rate_64']:.2f}x"
+            )
         for note in f.notes:
             print(f"  {note}")
         return f
@@ -126,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--controlplane-flag", action="append", default=[])
     p.add_argument("--workdir", type=Path)
     p.add_argument("--py-spy", type=Path, help="profile the issuance phase into this file")
+    p.add_argument("--openbao", action="store_true", help="then OpenBao pki/sign, as bench_scale")
     asyncio.run(amain(p.parse_args(argv)))
     return 0
 
