@@ -511,21 +511,6 @@ def _entry(
     return entry
 
 
-def _delta_response(
-    version: str,
-    type_url: TypeUrl,
-    nonce: str,
-    changed: list[tuple[str, str, bytes]],
-    removed: list[str],
-) -> bytes:
-    """``pb.encode_delta_discovery_response``, its body framed once (:func:`_entry`)."""
-    if len(changed) + len(removed) > _FRAMED_RESOURCES:
-        return pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
-    body = _entry(type_url, changed, removed).body
-    head = _text_field(1, version) if version else b""
-    return head + body + _text_field(5, nonce) if nonce else head + body
-
-
 def _numbered_response(
     after: int,
     version: str,

@@ -150,20 +150,25 @@ def test_arbitrary_bytes_decode_or_raise_wire_error(data: bytes) -> None:
 @given(
     text,
     st.sampled_from(list(TypeUrl)),
-    st.text(alphabet="0123456789", min_size=1, max_size=6),
     st.lists(st.tuples(text, text, st.binary(max_size=300)), max_size=20),
     names,
 )
 def test_pre_framed_delta_responses_parse_as_the_plain_encoding(
     version: str,
     type_url: TypeUrl,
-    nonce: str,
     changed: list[tuple[str, str, bytes]],
     removed: list[str],
 ) -> None:
     changed = [(n, v, pb.pack_bytes(b, type_url)) for n, v, b in changed]
-    framed = server._delta_response(version, type_url, nonce, changed, removed)
-    framed_again = server._delta_response(version, type_url, nonce, changed, removed)  # cached
-    plain = pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
-    assert framed == framed_again
+    # the stream's last nonce number: one the process's count gave (as every stream's is)
+    after, _, _ = server._numbered_response(0, version, type_url, changed, removed)
+    number, framed, given = server._numbered_response(after, version, type_url, changed, removed)
+    again = server._numbered_response(after, version, type_url, changed, removed)
+    assert number > after and given == str(number)
+    plain = pb.encode_delta_discovery_response(version, type_url, given, changed, removed)
+    if len(changed) + len(removed) <= server._FRAMED_RESOURCES:
+        # another stream at the same point is sent the very same bytes (framed once)
+        assert again == (number, framed, given)
+    else:  # a large (first) answer is encoded per stream, with a nonce of its own
+        assert again[0] > number and again[2] == str(again[0])
     assert DeltaDiscoveryResponse.parse(framed) == DeltaDiscoveryResponse.parse(plain)
