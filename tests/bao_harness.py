@@ -116,4 +116,21 @@ async def start_bao(directory: Path, *, timeout_s: float = 30.0) -> Bao:
                 raise RuntimeError(f"bao did not come up: {log.read_text()[-2000:]}") from None
             await asyncio.sleep(0.1)
     await bao.call("POST", "sys/mounts/transit", {"type": "transit"})
+    await _wait_for_kv_v2(bao, deadline)
     return bao
+
+
+async def _wait_for_kv_v2(bao: Bao, deadline: float) -> None:
+    """Dev mode upgrades ``secret/`` to KV v2 in the background after it reports healthy; until
+    then every data call answers 400 "Upgrading from non-versioned to versioned data". Wait for a
+    probe write to go through, so a test's first ``kv_put`` does not race the upgrade."""
+    while True:
+        try:
+            await bao.call("POST", "secret/data/_harness-ready", {"data": {"ready": "1"}})
+            await bao.call("DELETE", "secret/metadata/_harness-ready")
+            return
+        except RuntimeError as e:
+            if "Upgrading" not in str(e) or time.monotonic() > deadline:
+                bao.stop()
+                raise
+            await asyncio.sleep(0.1)

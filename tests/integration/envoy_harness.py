@@ -81,6 +81,18 @@ class EnvoyProcess:
         result: dict[str, Any] = json.loads(text)
         return result
 
+    async def cluster_names(self) -> set[str]:
+        """Names of every cluster in the config dump, static, active or warming. (A substring
+        test on the whole dump is not one: certificates and the CRL are base64 in it.)"""
+        names: set[str] = set()
+        for config in (await self.config_dump()).get("configs", []):
+            for key in ("static_clusters", "dynamic_active_clusters", "dynamic_warming_clusters"):
+                for entry in config.get(key, []):
+                    name = entry.get("cluster", {}).get("name")
+                    if isinstance(name, str):
+                        names.add(name)
+        return names
+
     async def wait_ready(self, within: float = 15.0) -> float:
         """Seconds until admin ``/ready`` says LIVE (initial LDS/CDS and their SDS warmed)."""
         start = time.monotonic()
