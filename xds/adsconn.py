@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,9 @@ Report = Callable[[str], None]
 
 _PATH_SHOWN = 96  # of an unknown method's path, or a refused node id, in a grpc-message
 
+PUSH_SLICE_S = 0.004  # of pushes per turn of the loop (see _Pushes)
+_CHECK_EVERY = 8  # pushes between two looks at the clock
+
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -103,12 +107,21 @@ def identity_of(der: bytes) -> PeerIdentity:
 class _Pushes:
     """The streams woken since the loop last ran their pushes, in the order they were woken:
     one ``call_soon`` for all of them (a change that wakes 5,000 streams schedules one
-    callback, not 5,000 handles), run in that order on the next turn of the loop."""
+    callback, not 5,000 handles), run in that order on the next turn of the loop.
 
-    __slots__ = ("_woken",)
+    One turn pushes for at most ``slice_s`` of ``clock`` (checked every ``_CHECK_EVERY``
+    pushes); the rest go on the next turn, before any stream woken since: a change that wakes
+    every stream of a 10,000-node mesh (~0.5 s of pushes) does not hold the loop for its whole
+    length, so the attestation API, /healthz and ACKs are served between slices."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_clock", "_slice_s", "_woken")
+
+    def __init__(
+        self, slice_s: float = PUSH_SLICE_S, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._woken: list[tuple[AdsConnection, _Call]] = []
+        self._slice_s = slice_s
+        self._clock = clock
 
     def add(self, conn: AdsConnection, call: _Call) -> None:
         woken = self._woken
@@ -118,6 +131,9 @@ class _Pushes:
 
     def _run(self) -> None:
         woken, self._woken = self._woken, []
+        clock = self._clock
+        until = clock() + self._slice_s
+        done = 0
         for conn, call in woken:
             try:
                 conn.push(call)
@@ -125,6 +141,14 @@ class _Pushes:
                 asyncio.get_running_loop().call_exception_handler(
                     {"message": "ADS push failed", "exception": exc, "protocol": conn}
                 )
+            done += 1
+            if done % _CHECK_EVERY == 0 and done < len(woken) and clock() >= until:
+                break
+        if done < len(woken):  # the rest first on the next turn, then those woken meanwhile
+            later = self._woken
+            self._woken = woken[done:] + later
+            if not later:  # (else their add already scheduled the next turn)
+                asyncio.get_running_loop().call_soon(self._run)
 
 
 class _Wake:

@@ -1,5 +1,6 @@
 """xds.adsconn's woken streams are pushed on the next turn of the loop, in the order they
-were woken, all of them even when one push fails (reported to the loop's handler)."""
+were woken, all of them even when one push fails (reported to the loop's handler); one turn
+pushes for a bounded slice of time, and the loop serves other callbacks between slices."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from xds.adsconn import _Pushes
 
 
 class _Conn:
-    def __init__(self, log: list[str], fail: bool = False) -> None:
+    def __init__(self, log: list[str], fail: bool = False, tick: list[float] | None = None) -> None:
         self.log = log
         self.fail = fail
+        self.tick = tick
 
     def push(self, call: Any) -> None:
         self.log.append(call)
+        if self.tick is not None:
+            self.tick[0] += 1.0  # each push takes one second of the fake clock
         if self.fail:
             raise RuntimeError(f"push of {call} failed")
 
@@ -48,3 +52,40 @@ async def test_a_failing_push_does_not_hold_back_the_others() -> None:
         assert [str(ctx["exception"]) for ctx in reported] == ["push of bad failed"]
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_a_turn_pushes_one_slice_and_the_loop_runs_between_slices() -> None:
+    clock = [0.0]
+    log: list[str] = []
+    # a slice of 20 s, the clock looked at every 8 pushes: 24 pushes per turn (8, 16: in time)
+    pushes = _Pushes(slice_s=20.0, clock=lambda: clock[0])
+    conn = _Conn(log, tick=clock)
+    for i in range(60):
+        pushes.add(conn, f"p{i}")  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    loop.call_soon(log.append, "other")  # a callback that was ready before the pushes ran
+    await asyncio.sleep(0)
+    assert log == [f"p{i}" for i in range(24)] + ["other"]
+    pushes.add(conn, "late")  # type: ignore[arg-type]  # woken while 36 wait: after them
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert log == [f"p{i}" for i in range(24)] + ["other"] + [f"p{i}" for i in range(24, 60)] + [
+        "late"
+    ]
+
+
+async def test_the_rest_of_a_slice_waits_for_the_next_turn() -> None:
+    clock = [0.0]
+    log: list[str] = []
+    pushes = _Pushes(slice_s=0.5, clock=lambda: clock[0])
+    conn = _Conn(log, tick=clock)
+    for i in range(20):
+        pushes.add(conn, f"p{i}")  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert len(log) == 8  # over its slice at the first look at the clock
+    await asyncio.sleep(0)
+    assert len(log) == 16
+    await asyncio.sleep(0)
+    assert log == [f"p{i}" for i in range(20)]
+    await asyncio.sleep(0)
+    assert len(log) == 20  # nothing pushed twice
