@@ -355,7 +355,7 @@ def build_secrets_app(service: SecretService) -> web.Application:
     async def body_of(request: web.Request) -> tuple[PeerCertificate, Any]:
         transport = request.transport
         ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        der = ssl_object.getpeercert(True) if ssl_object is not None else None
         peer = parse_peer(der)
         try:
             return peer, await request.json(loads=json.loads)

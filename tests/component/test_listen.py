@@ -22,6 +22,7 @@ from grpclib.client import Channel
 from grpclib.encoding.base import CodecBase
 from grpclib.server import Server, Stream
 
+import attestmesh.listen as listen_mod
 from attestmesh.listen import (
     CloseReason,
     ListenLimits,
@@ -275,7 +276,9 @@ async def test_legitimate_use_is_not_cut(ca: trustme.CA) -> None:
 
 
 async def test_small_tls_buffer_is_this_listeners_only(ca: trustme.CA) -> None:
-    """The 256 KiB asyncio default stays for every other TLS server in the process."""
+    """An aiohttp TLS site does TLS on the socket (``_SocketTLS``: no read buffer at all); the
+    grpclib listener's SSLProtocol reads ``tls_read_buffer`` at once; the 256 KiB asyncio
+    default stays for every other TLS server in the process."""
     default = 256 * 1024
     async with http_site(server_tls(ca)) as (site, _):
         runner = site._runner
@@ -285,8 +288,27 @@ async def test_small_tls_buffer_is_this_listeners_only(ca: trustme.CA) -> None:
         await asyncio.sleep(0.05)
         assert runner.server is not None
         (handler,) = runner.server.connections
-        proto = handler.transport._ssl_protocol  # type: ignore[union-attr]
-        assert len(proto._ssl_buffer) == FAST.tls_read_buffer
+        assert type(handler.transport).__name__ == "_SocketTLS"
+        assert not hasattr(handler.transport, "_ssl_protocol")
+        w.close()
+
+    async with grpc_server(server_tls(ca)) as (port, _):
+        lean: list[int] = []
+        orig = listen_mod._LeanSSLProtocol.__init__
+
+        def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig(self, *args, **kwargs)
+            lean.append(len(self._ssl_buffer))
+
+        listen_mod._LeanSSLProtocol.__init__ = spy  # type: ignore[method-assign]
+        try:
+            _, w = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=client_tls(ca, h2=True), server_hostname="localhost"
+            )
+            await asyncio.sleep(0.05)
+        finally:
+            listen_mod._LeanSSLProtocol.__init__ = orig  # type: ignore[method-assign]
+        assert lean == [FAST.tls_read_buffer]
         w.close()
 
     seen: list[int] = []
