@@ -3,8 +3,8 @@
 One frozen ``ListenLimits`` configures every listener (attestation API, xDS, ops, webhook):
 
 - admission at accept, before any TLS byte: a cap on open connections per listener and per
-  source address (an IPv6 source counts by its /64); an excess connection is closed at once
-  and reported to ``on_refused``;
+  source address (an IPv6 source counts by its /64), and a rate of new connections per source
+  (a token bucket); an excess connection is closed at once and reported to ``on_refused``;
 - TLS: a handshake timeout; TLS on the socket itself for the aiohttp sites and ``start_h2``
   (``_SocketTLS``, below), and for grpclib's listener a small per-connection read buffer
   (asyncio's SSLProtocol allocates 256 KiB per connection; see ``_LeanSSLProtocol``);
@@ -84,6 +84,7 @@ class CloseReason(enum.StrEnum):
     WRITE_TIMEOUT = "write_timeout"
     PROTOCOL_ERROR = "protocol_error"  # HTTP/2 connection error (bad preface, frame, window...)
     FLOOD = "flood"  # HTTP/2 control frames or refused streams without application data
+    CONNECT_RATE = "connect_rate"  # a source opened connections faster than its rate allows
     INVALID_REQUEST = "invalid_request"  # a stream refused: not gRPC, bad message or timeout
 
 
@@ -100,7 +101,11 @@ class ListenLimits:
     connection in the real process (benchmarks/bench_connections.py, defaults): TCP to a TLS
     port with no byte ~2 KB, a stalled TLS handshake ~59 KB, a silent TLS connection ~34 KB, a
     partial header ~34 KB, a dripped body ~41 KB, an idle mTLS ADS stream ~38 KB (about 26 KB
-    of it OpenSSL's: the SSL object and the client's parsed certificate chain)."""
+    of it OpenSSL's: the SSL object and the client's parsed certificate chain).
+
+    CPU under attack: a TLS handshake costs the server ~1 ms (OpenSSL 3.0, P-256), so one
+    source opens at most ``connect_rate_per_source`` connections per second after a burst of
+    ``connect_burst_per_source`` (a token bucket, refused before any TLS byte)."""
 
     handshake_timeout: float = 10.0  # accept -> TLS handshake complete (also TLS shutdown)
     header_timeout: float = 10.0  # first byte of a request -> its complete header
@@ -109,6 +114,8 @@ class ListenLimits:
     write_timeout: float = 30.0  # the peer does not read what is sent (writing stays paused)
     max_connections: int = 20_000  # open connections on this listener (xDS: >= the mesh)
     max_connections_per_source: int = 1_024  # per source IPv4 address / IPv6 /64
+    connect_rate_per_source: float = 256.0  # new connections per second per source, sustained
+    connect_burst_per_source: int = 1_024  # ... and at once (a reconnecting node's Envoys)
     max_streams_per_connection: int = 16  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
     max_header_list_size: int = 16_384  # HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE
     http2_window: int = 65_535  # HTTP/2 initial stream and connection receive windows
@@ -183,6 +190,9 @@ def connection_totals() -> tuple[int, int]:
     return _TOTALS.open, _TOTALS.closed
 
 
+_BUCKETS_PRUNE_AT = 4_096  # per-source connection-rate buckets before full ones are dropped
+
+
 class _Listener:
     """Admission and accounting for one listening port."""
 
@@ -208,6 +218,11 @@ class _Listener:
         self.open = 0
         self.per_source: dict[str, int] = {}
         self.closed: dict[CloseReason, int] = {}
+        self.clock = self.loop.time
+        # source -> (tokens, when): a source absent has a full bucket; entries are pruned
+        # (full ones carry nothing) once they outnumber _BUCKETS_PRUNE_AT
+        self.buckets: dict[str, tuple[float, float]] = {}
+        self._prune_at = _BUCKETS_PRUNE_AT
 
     def report(self, reason: CloseReason) -> None:
         self.closed[reason] = self.closed.get(reason, 0) + 1
@@ -224,10 +239,33 @@ class _Listener:
             n = self.per_source.get(source, 0)
             if n >= self.limits.max_connections_per_source:
                 return CloseReason.MAX_PER_SOURCE
+            if not self._take_token(source):
+                return CloseReason.CONNECT_RATE
             self.per_source[source] = n + 1
         self.open += 1
         _TOTALS.open += 1
         return None
+
+    def _take_token(self, source: str) -> bool:
+        limits, now = self.limits, self.clock()
+        rate, burst = limits.connect_rate_per_source, float(limits.connect_burst_per_source)
+        held = self.buckets.get(source)
+        tokens = burst if held is None else min(burst, held[0] + (now - held[1]) * rate)
+        if tokens < 1.0:
+            return False
+        self.buckets[source] = (tokens - 1.0, now)
+        if len(self.buckets) > self._prune_at:
+            self._prune(now, rate, burst)
+        return True
+
+    def _prune(self, now: float, rate: float, burst: float) -> None:
+        """Drop the buckets that have filled up again (as good as absent). What is left are
+        sources that connected within the last ``burst / rate`` seconds; the next pruning
+        waits until the table has doubled from that."""
+        self.buckets = {
+            s: (t, at) for s, (t, at) in self.buckets.items() if t + (now - at) * rate < burst
+        }
+        self._prune_at = max(_BUCKETS_PRUNE_AT, 2 * len(self.buckets))
 
     def release(self, source: str | None) -> None:
         self.open -= 1
@@ -1408,6 +1446,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "idle_timeout": (float, "seconds a connection may hold nothing in flight"),
     "max_connections": (int, "open connections per port"),
     "max_connections_per_source": (int, "open connections per port and source address"),
+    "connect_rate_per_source": (float, "new connections per second per port and source"),
+    "connect_burst_per_source": (int, "new connections at once per port and source"),
     "max_streams_per_connection": (int, "concurrent HTTP/2 streams per xDS connection"),
     "write_timeout": (float, "seconds a peer may leave what is sent to it unread"),
     "tls_read_buffer": (int, "bytes read at once per TLS connection"),

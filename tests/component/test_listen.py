@@ -137,6 +137,63 @@ def test_limits_are_validated() -> None:
     assert ListenLimits().tls_read_buffer < 256 * 1024
 
 
+async def test_a_source_opening_connections_too_fast_is_refused_at_accept(
+    ca: trustme.CA,
+) -> None:
+    """The per-source rate: a burst is admitted, the next connection is closed before any TLS
+    byte and counted; another source has its own bucket; closing connections gives back no
+    tokens (it is the rate of opening, not the number open)."""
+    limits = ListenLimits(connect_rate_per_source=0.01, connect_burst_per_source=3)
+    async with http_site(server_tls(ca), limits) as (site, seen):
+        held = [await raw(site.port) for _ in range(3)]
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.05)
+        r, w = await raw(site.port)
+        assert await closed_by_peer(r, 2) < 1
+        w.close()
+        assert seen.count(CloseReason.CONNECT_RATE) == 1
+        # another source still gets in, and is served
+        r2, w2 = await asyncio.open_connection(
+            "127.0.0.1",
+            site.port,
+            ssl=client_tls(ca),
+            server_hostname="localhost",
+            local_addr=("127.0.0.2", 0),
+        )
+        w2.write(b"GET /slow?s=0 HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(r2.readuntil(b"\r\n\r\n"), 3)
+        assert head.startswith(b"HTTP/1.1 200")
+        w2.close()
+        assert seen.count(CloseReason.CONNECT_RATE) == 1
+
+
+async def test_connection_rate_buckets_refill_and_stay_bounded() -> None:
+    lst = listen_mod._Listener(
+        "api",
+        ListenLimits(connect_rate_per_source=2.0, connect_burst_per_source=2),
+        None,
+        asyncio.Protocol,
+        lambda app, received: (listen_mod._Phase.IDLE, None),
+        None,
+    )
+    now = [100.0]
+    lst.clock = lambda: now[0]
+    assert [lst.admit("10.0.0.1") for _ in range(3)] == [None, None, CloseReason.CONNECT_RATE]
+    now[0] += 0.5  # one token back at 2/s
+    assert [lst.admit("10.0.0.1") for _ in range(2)] == [None, CloseReason.CONNECT_RATE]
+    now[0] += 60  # refilled to the burst, not beyond
+    assert [lst.admit("10.0.0.1") for _ in range(3)] == [None, None, CloseReason.CONNECT_RATE]
+    # many sources, each once: the table is pruned of refilled buckets as it grows
+    for i in range(3 * listen_mod._BUCKETS_PRUNE_AT):
+        now[0] += 0.01
+        assert lst.admit(f"10.1.{i // 256}.{i % 256}") is None
+    assert len(lst.buckets) <= 2 * listen_mod._BUCKETS_PRUNE_AT
+    # a pruned (refilled) source starts from a full bucket, as one never seen
+    assert "10.1.0.0" not in lst.buckets
+    assert lst.admit("10.1.0.0") is None
+
+
 async def test_connection_caps_close_excess_at_accept_before_tls(ca: trustme.CA) -> None:
     limits = ListenLimits(max_connections=4, max_connections_per_source=2)
     async with http_site(server_tls(ca), limits) as (site, seen):
