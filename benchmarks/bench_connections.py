@@ -366,6 +366,7 @@ async def measure_streams(n: int, extra: Sequence[str] = ()) -> tuple[float, flo
     """(KB per idle mTLS ADS stream, CPU ms per new stream, the TLS handshake's floor of that
     CPU in ms: ``scale_ads.handshake_floor_ms`` with the same certificates) at ``n`` streams."""
     flags = ["--max-connections", str(n + 100), "--max-connections-per-source", str(n + 100)]
+    flags += ["--connect-burst-per-source", str(n + 100)]  # the n streams come from one source
     flags += extra
     async with control_plane(flags) as cp:
         cert = await cp.attest()
