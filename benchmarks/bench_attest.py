@@ -5,8 +5,9 @@ verify + leaf signature). Run: python -m benchmarks.bench_attest [N]
 Then the same with the real process's store (``GroupCommitStore``: one writer thread, group
 commit) at 1 and 64 concurrent attestations: CPU per attestation (process, and the event loop's
 thread) and how late a 5 ms timer on the loop fires (p50 / p99), which is what /healthz waits
-for under load: the verify-and-sign threads hold the GIL (``cryptography`` keeps it while it
-signs and verifies), so the loop waits for it behind them."""
+for under load: the verify-and-sign threads hold the GIL for the Python around the crypto
+(``cryptography`` releases it while it signs and verifies), so the loop waits for it behind
+them."""
 
 from __future__ import annotations
 

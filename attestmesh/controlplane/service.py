@@ -91,8 +91,9 @@ CRL_VALIDITY = timedelta(hours=24)
 CRL_COALESCE = timedelta(seconds=5)
 # asyncio's default pool size: a pool as small as the core count (tried: 2 on 2 cores, to
 # leave the loop the GIL more often) measured fewer attestations per second at 8 and 64 clients
-# and no better /healthz on the shared machine. One thread (``cryptography`` keeps the GIL
-# while it signs and verifies, so threads add no parallelism) cut how late the loop ran in
+# and no better /healthz on the shared machine (``cryptography`` 50 releases the GIL while
+# it verifies and signs, measured: two threads verify in the wall time of one; the Python
+# around those calls holds it). One thread cut how late the loop ran in
 # process (benchmarks/bench_attest.py, 64 at a time: p99 105 -> 39 ms), but in the real process
 # (benchmarks/bench_issuance.py, 3 alternating runs) it did 123-145 attestations/s at 64 clients
 # against 218-228 and /healthz p99 was 259-467 ms against 132-201.
