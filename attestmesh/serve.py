@@ -217,8 +217,13 @@ def ops_limits(limits: ListenLimits) -> ListenLimits:
 
 def _xds_tls(ca: CertificateAuthority) -> ssl.SSLContext:
     """xDS: mutual TLS. Envoys present their mesh certificate; the node they ask for must be
-    the one their certificate names (see ``authorize_node``)."""
+    the one their certificate names (see ``authorize_node``). Under the root, the store holds
+    the CA's live intermediates (see :class:`XdsTrust`): a sidecar presents its leaf alone
+    (``workload-leaf-cert``), and the connection keeps one certificate less for its life; a
+    full chain is accepted as well. Revocation is not checked here but on every push
+    (``node_may_fetch``: the certificate's serial must be one of the workload's live ones)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca.bundle_pem.decode())
+    XdsTrust(ctx).refresh(ca)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.set_alpn_protocols(["h2"])
     # ADS streams are long-lived: resumption tickets buy nothing and cost ~0.3 ms per stream
@@ -227,6 +232,29 @@ def _xds_tls(ca: CertificateAuthority) -> ssl.SSLContext:
     # default maximum is TLS 1.2, so the minimum stays there)
     ctx.options |= ssl.OP_NO_RENEGOTIATION
     return ctx
+
+
+class XdsTrust:
+    """The live intermediates in the ADS context's trust store, refreshed on the deadline tick
+    right after the CA may have rotated (``refresh``: a no-op while the CA value is the same).
+    A prepared intermediate enters the store at 1/2 of the signing one's life, long before it
+    signs the first leaf (at 2/3); on the leader a catch-up that prepares and activates at once
+    is loaded in the same synchronous tick, before any leaf is issued. OpenSSL's store only
+    grows: a retired intermediate stays (a handful over years), harmless since every leaf it
+    signed has expired or it has itself."""
+
+    __slots__ = ("_ca", "_ctx")
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self._ctx = ctx
+        self._ca: CertificateAuthority | None = None
+
+    def refresh(self, ca: CertificateAuthority) -> None:
+        if ca is self._ca:
+            return
+        # a certificate already in the store is skipped by OpenSSL
+        self._ctx.load_verify_locations(cadata=b"".join(i.pem for i in ca.issuers).decode())
+        self._ca = ca
 
 
 def node_may_fetch(state: MeshState, node: str, peer: PeerIdentity) -> bool:
@@ -721,11 +749,21 @@ async def _policy_watch(
             )
 
 
-async def _deadlines(cp: ControlPlane, settings: ControlPlaneSettings, stop: asyncio.Event) -> None:
+async def _deadlines(
+    cp: ControlPlane,
+    settings: ControlPlaneSettings,
+    stop: asyncio.Event,
+    xds_trust: XdsTrust | None = None,
+) -> None:
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), settings.deadline_check.total_seconds())
         cp.check_deadlines()
+        if xds_trust is not None:  # the CA may have rotated (here, or a follower's reload)
+            try:
+                xds_trust.refresh(cp.ca)
+            except ssl.SSLError as exc:
+                log.error("could not load the CA's intermediates into the ADS context: %s", exc)
         await cp.recover_store()  # several replicas: after a failed write, once it is back
 
 
@@ -769,6 +807,7 @@ async def run_control_plane(
         await cp.flushed()  # the registrations file is durable before anything is served
         tls = _api_tls()
         xds_tls = None if settings.xds_plaintext else _xds_tls(cp.ca)
+        xds_trust = None if xds_tls is None else XdsTrust(xds_tls)
         contexts = [tls] if xds_tls is None else [tls, xds_tls]
         _load_server_cert(contexts, cp.ca, settings, datetime.now(UTC))
         api_app = api.build_app(cp, metrics)
@@ -839,7 +878,7 @@ async def run_control_plane(
             async with asyncio.TaskGroup() as tg:
                 # long-lived objects out of the cycle collector's scans (attestmesh/gcpolicy.py)
                 tg.create_task(GcPolicy().run(stop))
-                tg.create_task(_deadlines(cp, settings, stop))
+                tg.create_task(_deadlines(cp, settings, stop, xds_trust))
                 tg.create_task(_rotate_server_cert(contexts, lambda: cp.ca, settings, stop))
                 tg.create_task(_policy_watch(cp, settings, stop))
                 if tcb is not None:

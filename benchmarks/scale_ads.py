@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import ssl
 import sys
+import tempfile
 import time
 from asyncio import sslproto
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import h2.config
@@ -447,6 +450,24 @@ class Stream(asyncio.Protocol):
         return any(victim in healthy_endpoints(raw) for raw in self.types[EDS].held.values())
 
 
+def load_leaf_only(ctx: ssl.SSLContext, chain_file: str, key_file: str) -> None:
+    """Load the first certificate of the PEM chain in ``chain_file`` (the leaf) and its key,
+    as ``sidecar.sds.leaf_pem`` cuts it for the ADS cluster's ``workload-leaf-cert``."""
+    chain = Path(chain_file).read_bytes()
+    end = chain.find(_PEM_END)
+    leaf = chain if end < 0 else chain[: end + len(_PEM_END)] + b"\n"
+    fd, path = tempfile.mkstemp(suffix=".pem")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(leaf)
+        ctx.load_cert_chain(path, key_file)
+    finally:
+        Path(path).unlink()
+
+
+_PEM_END = b"-----END CERTIFICATE-----"
+
+
 # -- the worker ---------------------------------------------------------------------------------
 
 
@@ -471,10 +492,12 @@ class Worker:
             self.all_taken.set()
 
     def _ctx(self, ca: str, cert: str, key: str) -> ssl.SSLContext:
+        """A client context presenting what a sidecar's Envoy presents to the control plane:
+        the leaf of the chain in ``cert`` alone (``workload-leaf-cert``)."""
         ctx = self.contexts.get((cert, key))
         if ctx is None:
             ctx = ssl.create_default_context(cafile=ca)
-            ctx.load_cert_chain(cert, key)
+            load_leaf_only(ctx, cert, key)
             ctx.set_alpn_protocols(["h2"])
             self.contexts[(cert, key)] = ctx
         return ctx
@@ -577,10 +600,16 @@ class Worker:
         raise ValueError(f"unknown command {op!r}")
 
 
-def xds_server_context(root_pem: str, server_cert: str, server_key: str) -> ssl.SSLContext:
+def xds_server_context(
+    root_pem: str, server_cert: str, server_key: str, intermediates_pem: str | None = None
+) -> ssl.SSLContext:
     """The server side of the control plane's ADS port, as ``attestmesh.serve._xds_tls`` makes
-    it (the same options; the mesh root as the only trust anchor) with its serving certificate."""
+    it (the same options; the mesh root as the only trust anchor, plus ``intermediates_pem``
+    when given, as the control plane's store holds its live intermediates) with its serving
+    certificate."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=root_pem)
+    if intermediates_pem is not None:
+        ctx.load_verify_locations(cafile=intermediates_pem)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.set_alpn_protocols(["h2"])
     ctx.num_tickets = 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xds.resources import SDS_CLUSTER, WORKLOAD_CERT, XDS_CLUSTER
+from xds.resources import SDS_CLUSTER, WORKLOAD_LEAF_CERT, XDS_CLUSTER
 
 
 class XdsProtocol(enum.StrEnum):
@@ -37,10 +37,11 @@ class ControlPlaneAddress:
 
 @dataclass(frozen=True, slots=True)
 class XdsTls:
-    """mTLS to the control plane: Envoy presents the workload certificate (from the local SDS)
-    and accepts only a server with ``server_spiffe_id`` under the mesh root in ``ca_bundle``.
-    Whoever could feed an Envoy configuration could make it trust anything: never plaintext
-    beyond loopback."""
+    """mTLS to the control plane: Envoy presents the workload certificate (from the local SDS,
+    the leaf alone: the control plane's ADS port trusts the live intermediates, and keeps one
+    certificate less per stream for the stream's life) and accepts only a server with
+    ``server_spiffe_id`` under the mesh root in ``ca_bundle``. Whoever could feed an Envoy
+    configuration could make it trust anything: never plaintext beyond loopback."""
 
     ca_bundle: Path
     server_spiffe_id: str
@@ -64,7 +65,7 @@ def _xds_transport_socket(tls: XdsTls) -> dict[str, Any]:
                 "alpn_protocols": ["h2"],
                 "tls_certificate_sds_secret_configs": [
                     {
-                        "name": WORKLOAD_CERT,
+                        "name": WORKLOAD_LEAF_CERT,
                         "sds_config": {
                             "resource_api_version": "V3",
                             "api_config_source": {

@@ -1,5 +1,10 @@
 """The sidecar's local SDS server: Envoy fetches ``workload-cert`` over a Unix socket.
 
+Two secrets of one key: ``workload-cert`` (leaf and intermediate, what the mesh's peers are
+shown: they trust the root alone) and ``workload-leaf-cert`` (the leaf alone, what Envoy shows
+the control plane, whose ADS port trusts the live intermediates: the server keeps the peer's
+chain for the stream's life, so one certificate less is ~5 KB less per ADS stream).
+
 The private key is generated inside the TEE and never leaves this process except over this
 socket (mode 0600) to the Envoy beside it. Envoy reaches it through its static ``sds-local``
 cluster with ``api_config_source: GRPC``, i.e. the
@@ -28,7 +33,7 @@ from certs.errors import AttestmeshError
 from xds import pb
 from xds.build import Snapshot
 from xds.cache import SnapshotCache
-from xds.resources import SDS_SERVICE, WORKLOAD_CERT, TypeUrl
+from xds.resources import SDS_SERVICE, WORKLOAD_CERT, WORKLOAD_LEAF_CERT, TypeUrl
 from xds.server import UNCOUNTED, XdsMetrics, serve_sotw_stream, warm
 
 with warnings.catch_warnings():
@@ -41,9 +46,23 @@ with warnings.catch_warnings():
 _LOCAL = "local"  # every stream on the socket is the local Envoy: one cache slot
 
 
-def build_workload_secret(cert_chain_pem: bytes, key_pem: bytes) -> Secret:
+_PEM_END = b"-----END CERTIFICATE-----"
+
+
+def leaf_pem(cert_chain_pem: bytes) -> bytes:
+    """The first certificate of a PEM chain (leaf first), ending with a newline; anything that
+    is not PEM as it is."""
+    end = cert_chain_pem.find(_PEM_END)
+    if end < 0:
+        return cert_chain_pem
+    return cert_chain_pem[: end + len(_PEM_END)] + b"\n"
+
+
+def build_workload_secret(
+    cert_chain_pem: bytes, key_pem: bytes, name: str = WORKLOAD_CERT
+) -> Secret:
     return Secret(
-        name=WORKLOAD_CERT,
+        name=name,
         tls_certificate=TlsCertificate(
             certificate_chain=DataSource(inline_bytes=cert_chain_pem),
             private_key=DataSource(inline_bytes=key_pem),
@@ -52,7 +71,8 @@ def build_workload_secret(cert_chain_pem: bytes, key_pem: bytes) -> Secret:
 
 
 class LocalSds:
-    """grpclib service for SecretDiscoveryService.StreamSecrets, serving one secret."""
+    """grpclib service for SecretDiscoveryService.StreamSecrets, serving the workload's key
+    with its full chain (``workload-cert``) and with its leaf alone (``workload-leaf-cert``)."""
 
     def __init__(self, metrics: XdsMetrics | None = None) -> None:
         self._cache = SnapshotCache()
@@ -61,9 +81,16 @@ class LocalSds:
 
     def update(self, cert_chain_pem: bytes, key_pem: bytes) -> None:
         """Serve a new certificate chain (leaf first, then intermediates) and key; every connected
-        Envoy receives it at once (new handshakes use it, open connections are untouched)."""
-        packed = pb.pack(build_workload_secret(cert_chain_pem, key_pem), TypeUrl.SECRET)
-        self._cache.set_snapshot(_LOCAL, Snapshot.of({TypeUrl.SECRET: {WORKLOAD_CERT: packed}}))
+        Envoy receives it at once (new handshakes use it, open connections are untouched).
+        Both secrets change together: the leaf-only one is the chain's first certificate."""
+        full = pb.pack(build_workload_secret(cert_chain_pem, key_pem), TypeUrl.SECRET)
+        leaf = pb.pack(
+            build_workload_secret(leaf_pem(cert_chain_pem), key_pem, WORKLOAD_LEAF_CERT),
+            TypeUrl.SECRET,
+        )
+        self._cache.set_snapshot(
+            _LOCAL, Snapshot.of({TypeUrl.SECRET: {WORKLOAD_CERT: full, WORKLOAD_LEAF_CERT: leaf}})
+        )
         self.rotations += 1
 
     @property
@@ -167,5 +194,6 @@ __all__ = [
     "bind_private_unix_socket",
     "build_workload_secret",
     "check_sds",
+    "leaf_pem",
     "start_sds",
 ]

@@ -48,6 +48,9 @@ SDS_SERVICE = "envoy.service.secret.v3.SecretDiscoveryService"
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
 WORKLOAD_CERT = "workload-cert"  # served by the sidecar's local SDS: the key stays in the pod
+# the same key with the leaf alone (no intermediate): what Envoy presents to the control plane,
+# whose ADS port trusts the live intermediates (the mesh's peers trust the root only)
+WORKLOAD_LEAF_CERT = "workload-leaf-cert"
 MESH_TRUST = "mesh-trust"  # served by the control plane over ADS: bundle + CRL
 INBOUND_LISTENER = "inbound"
 INBOUND_ROUTE = "inbound"

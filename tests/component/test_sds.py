@@ -15,8 +15,8 @@ import pytest
 from grpclib.client import Channel
 from pydantic.warnings import PydanticDeprecatedSince212
 
-from sidecar.sds import LocalSds, start_sds
-from xds.resources import SDS_SERVICE, WORKLOAD_CERT, TypeUrl
+from sidecar.sds import LocalSds, leaf_pem, start_sds
+from xds.resources import SDS_SERVICE, WORKLOAD_CERT, WORKLOAD_LEAF_CERT, TypeUrl
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
@@ -107,3 +107,60 @@ async def test_serves_workload_cert_and_pushes_rotation(
     finally:
         channel.close()
     assert sds.rotations == 2
+
+
+CHAIN = (
+    b"-----BEGIN CERTIFICATE-----\nTEVBRg==\n-----END CERTIFICATE-----\n"
+    b"-----BEGIN CERTIFICATE-----\nSU5URVI=\n-----END CERTIFICATE-----\n"
+)
+LEAF = b"-----BEGIN CERTIFICATE-----\nTEVBRg==\n-----END CERTIFICATE-----\n"
+
+
+async def test_serves_the_full_chain_and_the_leaf_alone_with_one_key(
+    sds_socket: tuple[LocalSds, Path],
+) -> None:
+    """``workload-cert`` (the mesh's listeners and clusters) keeps the intermediate;
+    ``workload-leaf-cert`` (the ADS cluster) is the chain's first certificate; both rotate."""
+    sds, path = sds_socket
+    sds.update(CHAIN, b"KEY-1")
+    channel = Channel(path=str(path))
+    try:
+        for name, chain in ((WORKLOAD_CERT, CHAIN), (WORKLOAD_LEAF_CERT, LEAF)):
+            async with channel.request(
+                METHOD, grpclib.const.Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
+            ) as stream:
+                await stream.send_message(
+                    DiscoveryRequest(
+                        node=Node(id="frontend"), type_url=TypeUrl.SECRET, resource_names=[name]
+                    )
+                )
+                async with asyncio.timeout(2):
+                    first = await stream.recv_message()
+                assert first is not None
+                s = secret(first)  # the one asked for, alone
+                assert s.name == name
+                assert pair(s) == (chain, b"KEY-1")
+                await stream.send_message(
+                    DiscoveryRequest(
+                        type_url=TypeUrl.SECRET,
+                        resource_names=[name],
+                        version_info=first.version_info,
+                        response_nonce=first.nonce,
+                    )
+                )
+                sds.update(CHAIN.replace(b"TEVBRg==", b"TkVX"), b"KEY-2")
+                async with asyncio.timeout(2):
+                    second = await stream.recv_message()
+                assert second is not None
+                chain2 = chain.replace(b"TEVBRg==", b"TkVX")
+                assert pair(secret(second)) == (chain2, b"KEY-2")
+                await stream.end()
+                sds.update(CHAIN, b"KEY-1")
+    finally:
+        channel.close()
+
+
+def test_leaf_pem_is_the_first_certificate() -> None:
+    assert leaf_pem(CHAIN) == LEAF
+    assert leaf_pem(LEAF) == LEAF
+    assert leaf_pem(b"CHAIN-1") == b"CHAIN-1"  # not PEM: as it is

@@ -22,7 +22,7 @@ from tests.integration.envoy_harness import validate_config
 from tests.unit.xds.meshfixture import TRUST, allow, two_workloads
 from xds.build import build_snapshot
 from xds.meshpolicy import HttpMatch
-from xds.resources import TypeUrl
+from xds.resources import WORKLOAD_CERT, WORKLOAD_LEAF_CERT, TypeUrl
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
@@ -67,6 +67,24 @@ def test_ads_is_delta_by_default_and_sotw_on_request(tmp_path: Path) -> None:
     common = xds["transport_socket"]["typed_config"]["common_tls_context"]
     (cert_source,) = common["tls_certificate_sds_secret_configs"]
     assert cert_source["sds_config"]["api_config_source"]["api_type"] == "GRPC"
+
+
+def test_ads_presents_the_leaf_alone_and_the_mesh_the_full_chain(tmp_path: Path) -> None:
+    """The ADS cluster takes the leaf-only secret from the local SDS (the control plane trusts
+    the intermediates); the mesh's listeners and clusters keep the full chain (their peers
+    trust the root alone)."""
+    tls = XdsTls(tmp_path / "root.pem", "spiffe://mesh.test/controlplane")
+    with_tls = bootstrap(tmp_path / "sds.sock", xds_tls=tls)
+    (xds,) = [c for c in with_tls["static_resources"]["clusters"] if c["name"] == "xds"]
+    common = xds["transport_socket"]["typed_config"]["common_tls_context"]
+    (cert_source,) = common["tls_certificate_sds_secret_configs"]
+    assert cert_source["name"] == WORKLOAD_LEAF_CERT
+    snap = build_snapshot(two_workloads(), "frontend", [allow("frontend", "backend")], TRUST)
+    packed = b"".join(
+        raw for t in (TypeUrl.LISTENER, TypeUrl.CLUSTER) for raw in snap.get(t).values()
+    )
+    assert WORKLOAD_CERT.encode() in packed
+    assert WORKLOAD_LEAF_CERT.encode() not in packed
 
 
 @pytest.mark.parametrize(

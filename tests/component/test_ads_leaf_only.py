@@ -1,0 +1,190 @@
+"""The ADS port accepts an Envoy that presents its leaf alone (the sidecar's
+``workload-leaf-cert``): the server's store holds the CA's live intermediates, across rotation.
+A leaf of another CA is refused, alone or with its chain."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import warnings
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpclib.const
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from grpclib.client import Channel
+from grpclib.exceptions import StreamTerminatedError
+from pydantic.warnings import PydanticDeprecatedSince212
+
+from attestmesh.serve import (
+    ControlPlaneSettings,
+    XdsTrust,
+    _deadlines,
+    _load_server_cert,
+    _xds_tls,
+)
+from certs.ca import CertificateAuthority, Issuer
+from certs.ca.templates import build_leaf
+from tests.component.ads_transport import TRANSPORT, TRANSPORTS, serve_ads
+from tests.unit.fixtures_core import csr_pem, new_key
+from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
+from xds.build import Packer, build_snapshots
+from xds.cache import SnapshotCache
+from xds.resources import ADS_SERVICE, TypeUrl
+from xds.server import AdsServer, PeerIdentity, warm
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", PydanticDeprecatedSince212)
+    from envoy_data_plane.envoy.config.core.v3 import Node
+    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
+
+METHOD = f"/{ADS_SERVICE}/StreamAggregatedResources"
+REFUSED = (StreamTerminatedError, ssl.SSLError, ConnectionError)
+
+
+@pytest.fixture(params=TRANSPORTS, autouse=True)
+def _transport(request: pytest.FixtureRequest) -> None:
+    TRANSPORT.name = request.param
+
+
+def client(
+    bundle_pem: bytes, issuer: Issuer, tmp: Path, sa: str, *, leaf_only: bool
+) -> ssl.SSLContext:
+    """A client presenting a leaf for ``sa`` signed by ``issuer``: alone, or with ``issuer``."""
+    ctx = ssl.create_default_context(cadata=bundle_pem.decode())
+    ctx.set_alpn_protocols(["h2"])
+    key = new_key()
+    leaf = build_leaf(
+        x509.load_pem_x509_csr(csr_pem(key)),
+        spiffe_id=f"spiffe://{TD}/ns/default/sa/{sa}",
+        claims_extension=b"\x0c\x02{}",
+        issuer=issuer,
+        serial=x509.random_serial_number(),
+        now=datetime.now(UTC),
+        ttl=timedelta(minutes=5),
+    )
+    pem = leaf.public_bytes(serialization.Encoding.PEM)
+    (tmp / "c.pem").write_bytes(pem if leaf_only else pem + issuer.pem)
+    (tmp / "c.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    ctx.load_cert_chain(tmp / "c.pem", tmp / "c.key")
+    return ctx
+
+
+@asynccontextmanager
+async def ads_server(
+    tmp: Path,
+) -> AsyncIterator[tuple[int, CertificateAuthority, ssl.SSLContext]]:
+    warm()
+    ca = CertificateAuthority.load_or_create(tmp / "ca", TD, datetime.now(UTC))
+    ctx = _xds_tls(ca)
+    _load_server_cert(
+        [ctx], ca, ControlPlaneSettings(state_dir=tmp, trust_domain=TD), datetime.now(UTC)
+    )
+    state = two_workloads()
+    cache = SnapshotCache()
+    cache.set_snapshots(
+        build_snapshots(state, [allow("backend", "frontend")], TRUST, packer=Packer())
+    )
+
+    def authorize(node: str, peer: PeerIdentity) -> bool:
+        w = state.workloads.get(node)
+        return w is not None and w.registration.spiffe_id(TD) in peer.uris
+
+    async with serve_ads(AdsServer(cache, authorize=authorize), ctx) as port:
+        yield port, ca, ctx
+
+
+async def first_response(port: int, ctx: ssl.SSLContext, node: str) -> DiscoveryResponse:
+    channel = Channel("127.0.0.1", port, ssl=ctx)
+    try:
+        async with (
+            asyncio.timeout(5),
+            channel.request(
+                METHOD, grpclib.const.Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
+            ) as stream,
+        ):
+            await stream.send_message(
+                DiscoveryRequest(type_url=TypeUrl.CLUSTER, node=Node(id=node))
+            )
+            resp = await stream.recv_message()
+            assert resp is not None
+            await stream.cancel()
+            return resp
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("leaf_only", [True, False], ids=["leaf-only", "full-chain"])
+async def test_a_mesh_leaf_is_accepted_alone_or_with_its_intermediate(
+    tmp_path: Path, leaf_only: bool
+) -> None:
+    async with ads_server(tmp_path) as (port, ca, _ctx):
+        ctx = client(ca.bundle_pem, ca.intermediate, tmp_path, "frontend", leaf_only=leaf_only)
+        resp = await first_response(port, ctx, "frontend")
+        assert resp.resources
+
+
+@pytest.mark.parametrize("leaf_only", [True, False], ids=["leaf-only", "full-chain"])
+async def test_a_leaf_of_a_foreign_ca_is_refused(tmp_path: Path, leaf_only: bool) -> None:
+    # the same trust domain and names, another root and intermediate
+    foreign = CertificateAuthority.load_or_create(tmp_path / "foreign", TD, datetime.now(UTC))
+    async with ads_server(tmp_path) as (port, ca, _ctx):
+        # the client trusts the real server; only its own certificate is foreign
+        ctx = client(ca.bundle_pem, foreign.intermediate, tmp_path, "frontend", leaf_only=leaf_only)
+        with pytest.raises(REFUSED):
+            await first_response(port, ctx, "frontend")
+
+
+async def test_a_rotated_intermediate_is_trusted_once_refreshed(tmp_path: Path) -> None:
+    async with ads_server(tmp_path) as (port, ca, server_ctx):
+        now = datetime.now(UTC)
+        prepared = ca.prepare(now)
+        assert prepared.prepared is not None
+        new = prepared.prepared
+        # not in the store yet: a leaf it signed, presented alone, does not chain
+        with pytest.raises(REFUSED):
+            await first_response(
+                port, client(ca.bundle_pem, new, tmp_path, "frontend", leaf_only=True), "frontend"
+            )
+        trust = XdsTrust(server_ctx)
+        trust.refresh(prepared)  # the tick after the preparation, long before it signs
+        rotated = prepared.activate(now)
+        trust.refresh(rotated)  # the same certificates: nothing new, nothing refused
+        for issuer in (rotated.intermediate, rotated.previous):
+            assert issuer is not None
+            ctx = client(ca.bundle_pem, issuer, tmp_path, "frontend", leaf_only=True)
+            assert (await first_response(port, ctx, "frontend")).resources
+
+
+async def test_the_deadline_tick_loads_a_rotated_ca_into_the_ads_context(tmp_path: Path) -> None:
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca", TD, datetime.now(UTC))
+    ctx = _xds_tls(ca)
+    assert len(ctx.get_ca_certs()) == 2  # the root and the signing intermediate
+    stop = asyncio.Event()
+
+    class Plane:
+        def __init__(self) -> None:
+            self.ca = ca
+
+        def check_deadlines(self) -> list[str]:
+            self.ca = self.ca.prepare(datetime.now(UTC))  # as the leader's rotation would
+            return []
+
+        async def recover_store(self) -> None:
+            stop.set()
+
+    settings = ControlPlaneSettings(
+        state_dir=tmp_path, trust_domain=TD, deadline_check=timedelta(0)
+    )
+    await _deadlines(Plane(), settings, stop, XdsTrust(ctx))  # type: ignore[arg-type]
+    assert len(ctx.get_ca_certs()) == 3  # and the prepared one
