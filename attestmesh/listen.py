@@ -1030,8 +1030,13 @@ class _Guard(asyncio.Protocol):
         timeout = self._timeout(phase)
         if timeout is None and self._watched:
             # nothing to enforce while busy, and the application says when that ends (a
-            # request arriving is input, observed anyway): no timer per connection and poll
+            # request arriving is input, observed anyway): no timer per connection and poll,
+            # and none left armed from an earlier phase (a stream's whole life otherwise holds
+            # the idle timer its connection armed before the stream opened)
             if self._paused_at < 0:
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
                 return
             due = self._paused_at + lim.write_timeout
         elif timeout is None:

@@ -560,3 +560,40 @@ async def test_connection_totals_count_open_and_closed_over_every_listener(
         async with asyncio.timeout(5):
             while connection_totals() != (open0, closed0 + 3):
                 await asyncio.sleep(0.01)
+
+
+class _WatchedApp(asyncio.Protocol):
+    """What ``_lean_h2_phase`` reads of an application that says when it goes idle."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.changed: Any = None
+
+    def listen_body(self) -> float | None:
+        return None
+
+    def listen_phase(self) -> tuple[bool, object]:
+        return self.busy, self.busy
+
+    def listen_watch(self, changed: Any) -> None:
+        self.changed = changed
+
+
+class _Transport(asyncio.Transport):
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_a_busy_watched_connection_holds_no_timer_left_from_its_idle_phase() -> None:
+    lst = listen_mod._Listener("xds", FAST, None, asyncio.Protocol, listen_mod._lean_h2_phase, None)
+    app = _WatchedApp()
+    guard = listen_mod._Guard(lst, app)
+    guard.connection_made(_Transport())
+    assert guard._timer is not None  # idle: the idle timeout is armed
+    app.busy = True  # a stream opened (input: observed)
+    guard.data_received(b"")
+    assert guard._timer is None
+    app.busy = False  # the last stream ended here: the application says so
+    app.changed()
+    assert guard._timer is not None
+    guard.connection_lost(None)
