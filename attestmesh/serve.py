@@ -224,6 +224,10 @@ def _xds_tls(ca: CertificateAuthority) -> ssl.SSLContext:
     (``node_may_fetch``: the certificate's serial must be one of the workload's live ones)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca.bundle_pem.decode())
     XdsTrust(ctx).refresh(ca)
+    # the chain may end at a trusted intermediate: one signature verified per handshake, not
+    # two (~0.09 of ~0.87 ms of server CPU, measured). OpenSSL still checks that anchor's
+    # validity: an expired intermediate left in the store vouches for nothing.
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.set_alpn_protocols(["h2"])
     # ADS streams are long-lived: resumption tickets buy nothing and cost ~0.3 ms per stream

@@ -610,6 +610,7 @@ def xds_server_context(
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=root_pem)
     if intermediates_pem is not None:
         ctx.load_verify_locations(cafile=intermediates_pem)
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.set_alpn_protocols(["h2"])
     ctx.num_tickets = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpclib.const
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 from pydantic.warnings import PydanticDeprecatedSince212
@@ -164,6 +164,49 @@ async def test_a_rotated_intermediate_is_trusted_once_refreshed(tmp_path: Path) 
             assert issuer is not None
             ctx = client(ca.bundle_pem, issuer, tmp_path, "frontend", leaf_only=True)
             assert (await first_response(port, ctx, "frontend")).resources
+
+
+async def test_a_leaf_under_an_expired_intermediate_in_the_store_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The store's intermediates end chains (partial chains); their validity is still checked.
+    A retired intermediate stays in the store: once expired it vouches for nothing, not even a
+    leaf whose own dates are fine (one made with its key after it retired)."""
+    async with ads_server(tmp_path) as (port, ca, server_ctx):
+        now = datetime.now(UTC)
+        old = ca.prepare(now - timedelta(days=400)).prepared
+        assert old is not None and old.cert.not_valid_after_utc < now
+        server_ctx.load_verify_locations(cadata=old.pem.decode())
+        key = new_key()
+        leaf = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([]))
+            .issuer_name(old.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(hours=1))
+            .not_valid_after(now + timedelta(hours=1))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.UniformResourceIdentifier(f"spiffe://{TD}/ns/default/sa/frontend")]
+                ),
+                critical=True,
+            )
+            .sign(old.key, hashes.SHA256())
+        )
+        (tmp_path / "f.pem").write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+        (tmp_path / "f.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        ctx = ssl.create_default_context(cadata=ca.bundle_pem.decode())
+        ctx.set_alpn_protocols(["h2"])
+        ctx.load_cert_chain(tmp_path / "f.pem", tmp_path / "f.key")
+        with pytest.raises(REFUSED):
+            await first_response(port, ctx, "frontend")
 
 
 async def test_the_deadline_tick_loads_a_rotated_ca_into_the_ads_context(tmp_path: Path) -> None:
