@@ -1,6 +1,7 @@
 """Delta vs state-of-the-world ADS: what one change costs per affected stream.
 
     .venv/bin/python benchmarks/bench_delta.py [--clients 1000] [--services 10] [--repeat 7]
+    .venv/bin/python benchmarks/bench_delta.py --fanout 5000 [--repeat 7]
 
 A mesh of ``--services`` services (two replicas each) and ``--clients`` client workloads, each
 calling every service; every client has one ADS stream in steady state (subscribed like Envoy,
@@ -20,6 +21,10 @@ Two layers, both in one process:
    limit), ``--clients`` streams: the bytes each stream receives for the change, and the CPU
    of the whole process (server and the in-memory clients that parse the responses and ACK)
    per stream.
+
+3. ``--fanout N`` alone: N delta sessions at one point (the same shared EDS mapping), one EDS
+   change: the CPU to produce every stream's response and to take every ACK, and the memory
+   per idle session.
 
 Medians over ``--repeat`` changes (each change alternates between the two configurations).
 """
@@ -394,6 +399,85 @@ async def settle(clients: Sequence[Client], quiet: float = 0.05) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# 3. one change fanned out to many streams at the same point
+
+
+def run_fanout(streams: int, repeat: int) -> None:
+    """``streams`` delta sessions subscribed like Envoy (CDS/LDS wildcards, EDS/SDS/RDS by name),
+    every one holding the same shared EDS mapping (as every caller of a service does), then
+    ``repeat`` changes of one EDS resource (a quarantine's replica leaving and coming back):
+    the CPU to produce every stream's response, and to take every stream's ACK of it (the
+    sessions' part only: no HTTP/2, no TLS). Also the Python memory per idle session."""
+    versions = ResourceVersions()
+    metrics = Metrics()
+    eds_names = [outbound_name(f"svc{s}") for s in range(10)]
+
+    def resource(tag: str, t: TypeUrl) -> bytes:
+        return pb.pack_bytes(b"\x0a\x10" + tag.encode().ljust(16, b"."), t)
+
+    def snapshot(node: int, replica: str) -> Snapshot:
+        eds = {n: resource(n + (replica if n == eds_names[0] else "ab"), EDS) for n in eds_names}
+        return Snapshot.of(
+            {
+                CDS: {n: resource(f"{n}{node}", CDS) for n in eds_names},
+                EDS: eds,
+                LDS: {"in": resource(f"in{node}", LDS)},
+                RDS: {INBOUND_ROUTE: resource(f"r{node}", RDS)},
+                SDS: {MESH_TRUST: resource("trust", SDS)},
+            }
+        )
+
+    both = [snapshot(0, "ab"), snapshot(0, "a")]
+    assert both[0].get(EDS) is snapshot(1, "ab").get(EDS)  # shared, as the builder shares it
+    subscribe = [
+        DeltaDiscoveryRequest(type_url=CDS, node=Node(id="x")),
+        DeltaDiscoveryRequest(type_url=EDS, resource_names_subscribe=eds_names),
+        DeltaDiscoveryRequest(type_url=SDS, resource_names_subscribe=[MESH_TRUST]),
+        DeltaDiscoveryRequest(type_url=LDS),
+        DeltaDiscoveryRequest(type_url=RDS, resource_names_subscribe=[INBOUND_ROUTE]),
+    ]
+
+    def ack_of(message: bytes) -> DeltaDiscoveryRequest:
+        r = DeltaDiscoveryResponse.parse(message)
+        return DeltaDiscoveryRequest(type_url=r.type_url, response_nonce=r.nonce)
+
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    sessions = [DeltaSession(f"n{i}", metrics, time.monotonic, versions) for i in range(streams)]
+    for s in sessions:
+        for req in subscribe:
+            s.on_request(req)
+        for m in list(s.responses(both[0])):
+            s.on_request(ack_of(m))
+    memory = (tracemalloc.get_traced_memory()[0] - base) / streams
+    tracemalloc.stop()
+    respond: list[float] = []
+    acks: list[float] = []
+    for i in range(repeat):
+        target = both[(i + 1) % 2]
+        gc.collect()
+        t = time.process_time()
+        out = [list(s.responses(target)) for s in sessions]
+        respond.append(time.process_time() - t)
+        assert all(len(m) == 1 for m in out)
+        distinct = len({m[0] for m in out})
+        reqs = [ack_of(m[0]) for m in out]  # the clients' part: not timed
+        t = time.process_time()
+        for s, req in zip(sessions, reqs, strict=True):
+            s.on_request(req)
+        acks.append(time.process_time() - t)
+    print(f"{streams} delta sessions at one point, one EDS change, medians over {repeat}:")
+    for label, xs in (("respond", respond), ("ACKs", acks)):
+        total = med(xs)
+        print(
+            f"  {label:8} {total * 1e3:8.1f} ms in all, {total / streams * 1e6:6.2f} us per stream"
+        )
+    print(f"  distinct response bytes per change: {distinct}")
+    print(f"  memory per idle session (tracemalloc): {memory:8.0f} B")
+
+
 def med(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
@@ -404,9 +488,15 @@ def main() -> None:
     parser.add_argument("--services", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-grpc", action="store_true", help="only the protocol core")
+    parser.add_argument(
+        "--fanout", type=int, default=0, help="only the fan-out of one change to this many streams"
+    )
     args = parser.parse_args()
     pb.install_validator_cache()
     warm()
+    if args.fanout:
+        run_fanout(args.fanout, args.repeat)
+        return
     print(f"{args.clients} streams (one per client), each client calling {args.services} "
           f"services of 2 replicas; medians over {args.repeat} changes")  # fmt: skip
     t = time.process_time()

@@ -195,9 +195,20 @@ def decode_sotw(data: bytes) -> SotwRequest:
     return req
 
 
+_ACKS_KEPT = 256
+_acks: dict[bytes, DeltaRequest] = {}
+"""ACKs decoded lately, by their bytes: the streams sent one change share its nonce (see
+xds.server), so thousands of streams send the very same ACK; the decoded request is shared
+(the sessions only read requests). Cleared when full."""
+
+
 def decode_delta(data: bytes) -> DeltaRequest:
     # the request a server receives most, an ACK: type_url (2) then response_nonce (6), each
     # shorter than 128 bytes, and nothing else (no node: sent on a stream's first request)
+    if type(data) is bytes:
+        hit = _acks.get(data)
+        if hit is not None:
+            return hit
     end = len(data)
     if end >= 4 and data[0] == 0x12:
         a = data[1]
@@ -211,6 +222,10 @@ def decode_delta(data: bytes) -> DeltaRequest:
             req = DeltaRequest()
             req.type_url = _str(data, 2, 2 + a)
             req.response_nonce = _str(data, 4 + a, end)
+            if type(data) is bytes:
+                if len(_acks) >= _ACKS_KEPT:
+                    _acks.clear()
+                _acks[data] = req
             return req
     return _decode_delta(data)
 

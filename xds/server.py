@@ -40,6 +40,11 @@ Delta (``DeltaAggregatedResources``), per stream and type:
   lookup each. Streams hold references to the shared bytes, never copies. Nonces come from
   one increasing count for the process (unique on each stream), so the streams sent the same
   change are sent the very same response bytes, nonce and all (:func:`_numbered_response`).
+  Streams at the same point (the same explicit names, holding the versions of the same shared
+  per-type mapping, nothing rejected) share the diff to a new mapping too: it is made once
+  and kept on the point (:class:`_Point`), so the other callers of a changed service cost a
+  lookup each. A NACK or a subscription change takes a stream off its point until its next
+  diff; names owed are part of the key.
 - A NACK (``error_detail`` set) is counted and logged. The client kept what it had, so the
   server's record of it is rolled back to before that response; the rejected versions are not
   offered again (no resend loop): a resource goes out again once it changes (or is asked for).
@@ -53,7 +58,9 @@ import itertools
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -239,18 +246,110 @@ class _DeltaSent:
     changes: tuple[tuple[str, str | None, str | None], ...] = ()
 
 
+_NO_NAMES: frozenset[str] = frozenset()
+"""What ``names`` and ``due`` start as (shared; a set of their own once something is added: an
+empty set is ~200 bytes, per stream and type)."""
+
+
 @dataclass(slots=True)
 class _DeltaType:
     wildcard: bool = False
-    names: set[str] = field(default_factory=set)  # explicit subscriptions
+    names: AbstractSet[str] = _NO_NAMES  # explicit subscriptions
     # name -> version last given to the client (or reported by it on a new stream)
     have: dict[str, str] = field(default_factory=dict)
-    due: set[str] = field(default_factory=set)  # answer about these whatever their version
+    due: AbstractSet[str] = _NO_NAMES  # answer about these whatever their version
     rejected: dict[str, str] | None = None  # name -> version the client NACKed
     answer: bool = False  # answer the next diff even if it is empty (a new wildcard)
     seen: Mapping[str, bytes] | None = None  # the snapshot mapping last diffed, and its version
     seen_version: str = ""
     sent: dict[str, _DeltaSent] = field(default_factory=dict)
+    # set only while ``have`` is exactly what ``point`` says (see _Point); None: unknown
+    point: _Point | None = None
+
+
+def _names_of(st: _DeltaType) -> set[str]:
+    names = st.names
+    if type(names) is not set:
+        names = st.names = set(names)
+    return names
+
+
+def _due_of(st: _DeltaType) -> set[str]:
+    due = st.due
+    if type(due) is not set:
+        due = st.due = set(due)
+    return due
+
+
+class _Point:
+    """Where explicitly subscribed streams stand for one type: subscribed to ``names``, holding
+    the version of each of those names in ``mapping`` (the snapshot's shared per-type mapping
+    they were last answered from), nothing rejected. Streams at the same point given the same
+    new mapping are sent the same answer, so the diff is made once and kept in ``steps``
+    (every caller of a service holds one EDS mapping and is moved to one new one: the 2nd to
+    the 5,000th stream cost a lookup, not a diff). Interned in :data:`_points` while a stream
+    stands on it."""
+
+    __slots__ = ("__weakref__", "key", "mapping", "names", "steps", "type_url", "versions")
+
+    def __init__(
+        self,
+        key: tuple[object, ...],
+        type_url: TypeUrl,
+        mapping: Mapping[str, bytes],
+        names: frozenset[str],
+        versions: VersionOf,
+    ) -> None:
+        self.key = key
+        self.type_url = type_url
+        self.mapping = mapping  # held: the ids in the keys stay this mapping's
+        self.names = names
+        self.versions = versions
+        # (id(new mapping), due names or None, answer) -> the answer from here to there
+        self.steps: dict[tuple[object, ...], _Step] = {}
+
+
+class _Step:
+    """One diff made from a point: what it sends and what it changes (shared read-only by the
+    streams that take it), and the point it leads to."""
+
+    __slots__ = ("after", "changed", "changes", "mapping", "names", "numbered", "removed")
+
+    def __init__(
+        self,
+        mapping: Mapping[str, bytes],
+        names: frozenset[str],
+        changed: list[tuple[str, str, bytes]],
+        removed: list[str],
+        changes: tuple[tuple[str, str | None, str | None], ...],
+        after: _Point,
+        numbered: _Numbered | None,
+    ) -> None:
+        self.mapping = mapping  # held: the id in the step's key stays this mapping's
+        self.names = names
+        self.changed = changed
+        self.removed = removed
+        self.changes = changes  # (name, version before, after), as _DeltaSent keeps them
+        self.after: weakref.ref[_Point] = weakref.ref(after)  # not a chain of every change
+        self.numbered = numbered  # the pre-framed body (None: framed per stream, or nothing)
+
+
+_STEPS_KEPT = 4  # steps memoised per point (cleared when full: a few changes in flight)
+_points: weakref.WeakValueDictionary[tuple[object, ...], _Point] = weakref.WeakValueDictionary()
+"""The points streams stand on, by (type, id(mapping), names, id(versions)); an entry lives
+while a stream holds its point (the streams' own references bound it)."""
+diffs = 0
+"""Diffs made (tests and benchmarks read it: a memoised step makes none)."""
+
+
+def _point(
+    type_url: TypeUrl, mapping: Mapping[str, bytes], names: frozenset[str], versions: VersionOf
+) -> _Point:
+    key = (type_url, id(mapping), names, id(versions))
+    point = _points.get(key)
+    if point is None or point.mapping is not mapping or point.versions is not versions:
+        point = _points[key] = _Point(key, type_url, mapping, names, versions)
+    return point
 
 
 class DeltaSession:
@@ -286,6 +385,8 @@ class DeltaSession:
         if req.response_nonce and st is not None:
             sent = st.sent.pop(req.response_nonce, None)  # answered once: then forgotten
             if sent is not None:
+                if not st.sent:
+                    st.sent = {}  # an emptied dict keeps its table (~120 bytes more)
                 self._classify(type_url, st, req, sent)
         subscribe, unsubscribe = req.resource_names_subscribe, req.resource_names_unsubscribe
         # an ACK or NACK on a known type with no subscription change: nothing becomes due (a
@@ -302,35 +403,42 @@ class DeltaSession:
                 if name == "*":
                     st.wildcard = st.answer = True
                     continue
-                st.names.add(name)
+                _names_of(st).add(name)
                 if name not in initial:
-                    st.due.add(name)  # a name the client holds no version of: answer it
+                    _due_of(st).add(name)  # a name the client holds no version of: answer it
+            names = st.names
             st.have = {
                 name: version
                 for name, version in initial.items()
-                if version and (st.wildcard or name in st.names)
+                if version and (st.wildcard or name in names)
             }
             if type_url is TypeUrl.ENDPOINT and self._clusters_before_eds:
-                st.due |= self._clusters_before_eds & (st.have.keys() | st.names)
+                due = self._clusters_before_eds & (st.have.keys() | names)
+                if due:
+                    _due_of(st).update(due)
                 self._clusters_before_eds = None
             subscribe = []
+        elif subscribe or unsubscribe:
+            st.point = None  # what the client holds or is owed changes
         for name in subscribe:
             if name == "*":
                 st.wildcard = st.answer = True
             else:
-                st.names.add(name)
-                st.due.add(name)  # subscribed (again): the client must get it, or its absence
+                _names_of(st).add(name)
+                _due_of(st).add(name)  # subscribed (again): the client must get it, or its absence
         for name in unsubscribe:
             if name == "*":
                 st.wildcard = False
                 st.have = {n: v for n, v in st.have.items() if n in st.names}
                 continue
-            st.names.discard(name)
-            st.due.discard(name)
+            if name in st.names:
+                _names_of(st).discard(name)
+            if name in st.due:
+                _due_of(st).discard(name)
             if st.rejected:
                 st.rejected.pop(name, None)
             if st.wildcard:
-                st.due.add(name)  # still in the wildcard or not: the client must be told
+                _due_of(st).add(name)  # still in the wildcard or not: the client must be told
             else:
                 st.have.pop(name, None)
         return answer
@@ -341,6 +449,7 @@ class DeltaSession:
         if req.error_detail is not None:
             # The client kept what it had: undo what this response changed (unless a later
             # response changed it again), and do not offer the rejected versions again.
+            st.point = None
             for name, before, after in sent.changes:
                 if st.have.get(name) != after:
                     continue
@@ -408,46 +517,98 @@ class DeltaSession:
             return
         for name, _, _ in clusters:
             if name in eds.names or (eds.wildcard and name in eds.have):
-                eds.due.add(name)
+                _due_of(eds).add(name)
 
     def responses(self, snapshot: Snapshot) -> Iterator[bytes]:
         """Encoded DeltaDiscoveryResponses now due, in ADS order (a generator, as in
         :meth:`AdsSession.responses`)."""
+        global diffs
         resources, versions = snapshot.resources, snapshot.versions
         for type_url, st in self._ordered:
             available = resources.get(type_url, _NOTHING)
-            if available is st.seen and not st.due and not st.answer:
+            due, answer = st.due, st.answer
+            if available is st.seen and not due and not answer:
                 continue  # the common case: a type this change did not touch
             version = versions.get(type_url, "")
-            if not st.due and not st.answer and version and version == st.seen_version:
+            if not due and not answer and version and version == st.seen_version:
                 continue
-            changed, removed = self._diff(st, available)
-            answer = st.answer
+            have = st.have
+            point = st.point
+            step: _Step | None = None
+            key: tuple[object, ...] = ()
+            if point is not None:
+                # a stream where others stood: the diff from there to ``available`` may be made
+                key = (id(available), frozenset(due) if due else None, answer)
+                step = point.steps.get(key)
+                if step is not None and step.mapping is not available:
+                    step = None
+            if step is not None:
+                changed, removed, changes = step.changed, step.removed, step.changes
+                for name, _, given in changes:
+                    if given is None:
+                        have.pop(name, None)
+                    else:
+                        have[name] = given
+                after = step.after()
+                if after is None:
+                    after = _point(type_url, available, step.names, self._versions)
+                    step.after = weakref.ref(after)
+                numbered = step.numbered
+            else:
+                diffs += 1
+                changed, removed = self._diff(st, available)
+                listed: list[tuple[str, str | None, str | None]]
+                listed = [(n, have.get(n), v) for n, v, _ in changed]
+                if removed:
+                    listed.extend((n, have.get(n), None) for n in removed)
+                changes = tuple(listed)
+                for name, given, _ in changed:
+                    have[name] = given
+                for name in removed:
+                    have.pop(name, None)
+                rejected = st.rejected
+                if rejected:
+                    for name, _, _ in changes:
+                        rejected.pop(name, None)
+                numbered = None
+                if 0 < len(changed) + len(removed) <= _FRAMED_RESOURCES:
+                    numbered = _entry(type_url, changed, removed)
+                after = None
+                if not st.wildcard and not rejected:
+                    # ``have`` now holds, for each subscribed name, its version in ``available``
+                    names = point.names if point is not None else frozenset(st.names)
+                    after = _point(type_url, available, names, self._versions)
+                    st.names = after.names  # shared while unchanged (_names_of copies it)
+                    if point is not None:
+                        steps = point.steps
+                        if len(steps) >= _STEPS_KEPT:
+                            steps.clear()
+                        steps[key] = _Step(
+                            available, names, changed, removed, changes, after, numbered
+                        )
+            st.point = after
             st.seen, st.seen_version = available, version
-            st.due.clear()
+            if due:
+                st.due = _NO_NAMES
             st.answer = False
             if not changed and not removed and not answer:
                 continue
-            have, rejected = st.have, st.rejected
-            changes: list[tuple[str, str | None, str | None]]
-            changes = [(n, have.get(n), v) for n, v, _ in changed]
-            if removed:
-                changes.extend((n, have.get(n), None) for n in removed)
-            for name, given, _ in changed:
-                have[name] = given
-            for name in removed:
-                have.pop(name, None)
-            if rejected:
-                for name, _, _ in changes:
-                    rejected.pop(name, None)
             if type_url is TypeUrl.CLUSTER and changed:
                 self._eds_after_cds(changed)
-            number, message, nonce = _numbered_response(
-                self._nonce, version, type_url, changed, removed
-            )
+            if (
+                numbered is not None
+                and numbered.number > self._nonce
+                and numbered.version == version
+            ):
+                # the response framed for the streams sent this change before (the usual case)
+                number, message, nonce = numbered.number, numbered.message, numbered.nonce
+            else:
+                number, message, nonce = _numbered_response(
+                    self._nonce, version, type_url, changed, removed, numbered
+                )
             self._nonce = number
             sent = st.sent
-            sent[nonce] = _DeltaSent(self._clock(), tuple(changes))
+            sent[nonce] = _DeltaSent(self._clock(), changes)
             if len(sent) > _NONCES_KEPT:
                 del sent[next(iter(sent))]
             yield message
@@ -517,6 +678,7 @@ def _numbered_response(
     type_url: TypeUrl,
     changed: list[tuple[str, str, bytes]],
     removed: list[str],
+    entry: _Numbered | None = None,
 ) -> tuple[int, bytes, str]:
     """(nonce number, the encoded DeltaDiscoveryResponse, its nonce) for a stream whose last
     nonce was number ``after``: the nonce is above it (unique on the stream), and every
@@ -529,7 +691,8 @@ def _numbered_response(
         nonce = str(number)
         message = pb.encode_delta_discovery_response(version, type_url, nonce, changed, removed)
         return number, message, nonce
-    entry = _entry(type_url, changed, removed)
+    if entry is None:
+        entry = _entry(type_url, changed, removed)
     if entry.number > after and entry.version == version:
         return entry.number, entry.message, entry.nonce
     number = entry.number = next(_nonces)
