@@ -7,7 +7,11 @@ for each stream event and queues the bytes to send, which the adapter takes with
 - the client preface, then SETTINGS (ours first, with the limits) and SETTINGS ACK;
 - HEADERS (+PADDED, +PRIORITY) and CONTINUATION, decoded with ``hpack`` (bounded header list);
   our own headers and trailers are hand-encoded literals that never use the dynamic table, so
-  the connection holds no HPACK encoder;
+  the connection holds no HPACK encoder; our SETTINGS_HEADER_TABLE_SIZE is 0, so once the
+  client has acknowledged them its next header block starts by emptying its table (RFC 7541
+  4.2): the decoder (and the table the first request filled) is dropped then, and one with no
+  table is made for each later header block and dropped after it (an idle connection holds
+  none);
 - DATA with gRPC's 5-byte message framing (reassembled across frames, bounded size, no
   compression), END_STREAM;
 - flow control both ways: never more than the peer's connection and stream windows is sent
@@ -225,6 +229,7 @@ class H2Server:
         "_send_window",
         "_settings_seen",
         "_stream_init_window",
+        "_table_zero",
         "goaway_received",
         "streams",
     )
@@ -240,6 +245,7 @@ class H2Server:
         self._settings_seen = False
         self._out: list[bytes] = []
         self._decoder: hpack.Decoder | None = None
+        self._table_zero = False  # the client acknowledged our HEADER_TABLE_SIZE of 0
         self._cont: tuple[int, bool, bytearray] | None = None  # (stream, end_stream, block)
         self._highest = 0
         self._send_window = DEFAULT_WINDOW  # connection
@@ -253,7 +259,8 @@ class H2Server:
         self.goaway_received = False
         self.streams: dict[int, _Stream] = {}
         settings = (
-            _SETTING.pack(S_MAX_CONCURRENT_STREAMS, limits.max_streams)
+            _SETTING.pack(S_HEADER_TABLE_SIZE, 0)
+            + _SETTING.pack(S_MAX_CONCURRENT_STREAMS, limits.max_streams)
             + _SETTING.pack(S_MAX_HEADER_LIST_SIZE, limits.max_header_list_size)
             + _SETTING.pack(S_ENABLE_PUSH, 0)
         )
@@ -557,6 +564,10 @@ class H2Server:
         if flags & ACK:
             if payload:
                 raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            # ours (one SETTINGS frame, ever) are in force: every later header block starts
+            # with a table size update to 0, so nothing in the table is referenced again
+            self._table_zero = True
+            self._decoder = None  # (never mid-block: CONTINUATION must follow HEADERS)
             return
         if len(payload) % 6:
             raise H2Error(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS payload not a multiple of 6")
@@ -656,8 +667,14 @@ class H2Server:
         if self._decoder is None:
             self._decoder = hpack.Decoder(max_header_list_size=self._limits.max_header_list_size)
             self._decoder.header_table.dynamic_entries = _Entries()  # type: ignore[assignment]
+            if self._table_zero:  # a size update above 0 is the peer's error
+                self._decoder.max_allowed_table_size = 0
+                self._decoder.header_table_size = 0
         try:
-            return list(self._decoder.decode(block, raw=True))
+            headers: list[tuple[bytes, bytes]] = list(self._decoder.decode(block, raw=True))
+            if self._table_zero:
+                self._decoder = None  # it holds nothing the next block needs
+            return headers
         except hpack.exceptions.OversizedHeaderListError as exc:
             raise H2Error(ErrorCode.ENHANCE_YOUR_CALM, "header list too large") from exc
         except (hpack.exceptions.HPACKError, ValueError, IndexError) as exc:

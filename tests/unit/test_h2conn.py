@@ -470,3 +470,42 @@ def test_data_sent_never_exceeds_the_windows_granted(
         assert sent + server.pending(1) == queued, "nothing lost, nothing duplicated"
         if server.pending(1):  # held back only when a window is exhausted
             assert sent >= min(conn_granted, stream_granted)
+
+
+def test_no_hpack_table_is_kept_once_the_client_acknowledged_a_table_size_of_0() -> None:
+    p = Pair()
+    assert p.client.remote_settings.header_table_size == 0
+    # (h2 saw our SETTINGS before its first HEADERS: each block starts with a size update)
+    for n in range(3):
+        sid = p.open(grpc(b"m%d" % n))
+        assert ("message", sid, b"m%d" % n) in p.rec.events
+        assert p.server._decoder is None  # nothing kept between header blocks
+    assert [e[2][b":path"] for e in p.rec.events if e[0] == "headers"] == [b"/svc/Method"] * 3
+
+
+def test_the_table_a_request_filled_before_the_ack_is_dropped_with_the_ack() -> None:
+    """As Envoy does: the first HEADERS right after the preface, before our SETTINGS arrived
+    (the client may use the default 4,096-byte table), then the SETTINGS ACK."""
+    server, rec = fresh()
+    enc = hpack.Encoder()
+    server.receive(frame(1, 0x4, 1, enc.encode(REQ_HEADERS)))
+    assert server._decoder is not None and list(server._decoder.header_table.dynamic_entries)
+    server.receive(frame(4, 0x1, 0))
+    assert server._decoder is None
+    enc.header_table_size = 0  # what a client does on our SETTINGS: a size update comes first
+    server.receive(frame(1, 0x4, 3, enc.encode(REQ_HEADERS)))
+    assert [e[1] for e in rec.events if e[0] == "headers"] == [1, 3]
+    assert server._decoder is None
+
+
+def test_after_the_ack_the_table_can_neither_be_referenced_nor_grown() -> None:
+    enc = hpack.Encoder()
+    first = enc.encode(REQ_HEADERS)  # indexes entries in the peer's table (default size)
+    for block in (
+        enc.encode(REQ_HEADERS),  # references those entries: they were dropped
+        b"\x3f\xe1\x1f" + hpack.Encoder().encode(REQ_HEADERS),  # a size update to 4096
+    ):
+        server, _ = fresh()
+        server.receive(frame(1, 0x4, 1, first))
+        server.receive(frame(4, 0x1, 0))  # the client's SETTINGS ACK
+        assert connection_error(server, frame(1, 0x4, 3, block)) is ErrorCode.COMPRESSION_ERROR
