@@ -9,6 +9,13 @@ Run: ``python -m benchmarks.bench_quarantine --n 2000`` (``--py-spy DIR``: the l
 profiled with py-spy into ``DIR/quarantine-<round>-<victim>.txt``, folded stacks, and left out of
 the median; ``--py-spy-rounds K``: the last K rounds; ``--controlplane-cmd``: the executable
 under test, as in bench_scale).
+
+``--in-process``: no process, no streams: the publisher's part of one quarantine, timed in
+this process. bench_scale's mesh of N workloads (N/2 callers of ``target``, whose members are
+w1, w3, w5, w7) is published, every caller's snapshot is held (as their streams hold them), and
+w1 is quarantined (a new CRL, whose coalesced fan-out is left queued) and released and attested
+again in turn: each ``publish`` patches the N/2 held caller snapshots. Prints the median time
+per quarantine and per caller snapshot patched.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.bench_scale import (
+    CALLER_SAS,
     TARGET_MEMBERS,
     Figures,
     MeshRun,
     Settings,
     log,
+    scenario,
     write_sim_platform,
 )
 from benchmarks.scale_ads import raise_nofile
@@ -140,6 +149,88 @@ async def amain(args: argparse.Namespace) -> None:
     )
 
 
+def in_process(n: int, count: int) -> None:
+    """The publisher's part of a quarantine (see the module's docstring)."""
+    from dataclasses import replace
+    from datetime import UTC, datetime, timedelta
+
+    from xds.build import TrustMaterial
+    from xds.cache import SnapshotCache
+    from xds.meshpolicy import MeshPolicy, Rule, Source
+    from xds.publisher import XdsPublisher
+    from xds.state import (
+        AttestationRecord,
+        Endpoint,
+        IssuedCert,
+        MeshState,
+        Registration,
+        Trigger,
+        quarantine,
+        record_attestation,
+        register_all,
+        release,
+    )
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    mesh, _ = scenario(n, 0, "in-process")
+    regs = [
+        Registration(
+            w.name,
+            "default",
+            w.sa,
+            w.sa,
+            Endpoint("127.0.0.1", w.inbound_port),
+            40000 + (w.inbound_port - 20000) % 25000,
+            {s: w.outbound_port + i for i, s in enumerate(w.outbound)},
+        )
+        for w in mesh
+    ]
+    state, _, _ = register_all(MeshState("bench.test"), regs, now)
+    serial = 0
+
+    def attest(state: MeshState, name: str) -> MeshState:
+        nonlocal serial
+        serial += 1
+        later = now + timedelta(hours=1)
+        record = AttestationRecord("sim", {}, "bench", "0", now)
+        state, _ = record_attestation(state, name, record, IssuedCert(serial, later), later, now)
+        return state
+
+    for r in regs:
+        state = attest(state, r.name)
+    sources = tuple(Source("default", f"client-{k}") for k in range(CALLER_SAS))
+    policies = [MeshPolicy("to-target", "default", "target", (Rule(sources, None, ()),))]
+    trust = TrustMaterial(b"bundle", b"crl-0")
+    deferred: list[object] = []
+    cache = SnapshotCache()
+    pub = XdsPublisher(cache, defer=deferred.append, soon=lambda fn: fn())
+    pub.publish(state, policies, trust)
+    callers = [w.name for w in mesh if w.caller]
+    for name in callers:
+        cache.get(name)
+    times: list[float] = []
+    for k in range(count):
+        quarantined, _ = quarantine(state, "w1", Trigger.OPERATOR, "bench", now)
+        crl = replace(trust, crl_pem=f"crl-{2 * k + 1}".encode())
+        t0 = time.thread_time()  # CPU time: the machine is shared, wall time is noisier
+        pub.publish(quarantined, policies, crl, {"w1"})
+        times.append(time.thread_time() - t0)
+        if pub.patched_nodes != len(callers):
+            raise SystemExit(f"patched {pub.patched_nodes} of {len(callers)} callers")
+        released, _ = release(quarantined, "w1", now)
+        state = attest(released, "w1")
+        trust = replace(trust, crl_pem=f"crl-{2 * k + 2}".encode())
+        pub.publish(state, policies, trust, {"w1"})
+        deferred.clear()
+    med = statistics.median(times)
+    print(
+        f"N={n} in process: publish of one quarantine, {len(callers)} held caller snapshots, CPU: "
+        f"median {1e3 * med:.1f} ms ({1e6 * med / len(callers):.2f} us per caller) "
+        f"of {count}: {[round(1e3 * t, 1) for t in times]}",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quarantine")
     p.add_argument("--n", type=int, default=2000)
@@ -150,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy-rounds", type=int, default=1, help="the last K rounds profiled")
     p.add_argument("--py-spy-rate", type=int, default=500, help="samples per second")
     p.add_argument("--workdir", type=Path)
-    asyncio.run(amain(p.parse_args(argv)))
+    p.add_argument("--in-process", action="store_true", help="the publisher's part alone")
+    args = p.parse_args(argv)
+    if args.in_process:
+        in_process(args.n, args.rounds)
+    else:
+        asyncio.run(amain(args))
     return 0
 
 

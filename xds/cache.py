@@ -82,6 +82,10 @@ class SnapshotCache:
         """A snapshot of ``node`` is held."""
         return node in self._snapshots
 
+    def held_among(self, nodes: set[str]) -> set[str]:
+        """Those of ``nodes`` whose snapshot is held."""
+        return nodes & self._snapshots.keys()
+
     def held(self) -> Iterable[str]:
         """Nodes whose snapshot is held (a live view: do not change the cache while iterating)."""
         return self._snapshots.keys()

@@ -54,6 +54,7 @@ sending per woken stream, about 13 ms before the loop serves other I/O again."""
 
 Soon = Callable[[Callable[[], None]], object]
 _NO_SERVICES: frozenset[ServiceKey] = frozenset()
+_NO_CHANGES: dict[TypeUrl, dict[str, bytes]] = {}  # never written to
 
 
 class _Refresh:
@@ -229,12 +230,13 @@ class XdsPublisher:
         # the refreshes queued, one per combination of needs (shared by the nodes queued)
         first_holder = _Refresh(changed_services, True, everyone or trust_changed)
         first_other = _Refresh(changed_services, policies_changed, everyone)
-        for node in first:
-            self._queue(self._first, node, first_holder if node in holders else first_other)
+        quiet = not (self._first or self._rest)  # (the four sets are disjoint)
+        self._queue_all(self._first, first & holders, first_holder, quiet)
+        self._queue_all(self._first, first - holders, first_other, quiet)
         rest_holder = _Refresh(changed_services, True, False)
         rest_other = _Refresh(changed_services, False, False)
-        for node in rest:
-            self._queue(self._rest, node, rest_holder if node in holders else rest_other)
+        self._queue_all(self._rest, rest & holders, rest_holder, quiet)
+        self._queue_all(self._rest, rest - holders, rest_other, quiet)
         if trust_changed and not everyone:
             self._schedule_trust_fanout()
         soon = self._soon or _running_loop_soon()
@@ -245,6 +247,22 @@ class XdsPublisher:
             self._later(soon)
         else:
             self._pump()
+
+    def _queue_all(
+        self, queue: dict[str, _Refresh], nodes: set[str], needs: _Refresh, quiet: bool
+    ) -> None:
+        """``_queue`` each of ``nodes``; in bulk, without a call per node, when none of them
+        can be queued already (``quiet``: nothing was queued before this publish, which
+        queues each node once)."""
+        if not nodes:
+            return
+        if not quiet:
+            for node in nodes:
+                self._queue(queue, node, needs)
+            return
+        nodes = self._cache.held_among(nodes)
+        queue.update(dict.fromkeys(nodes, needs))
+        (self._first_order if queue is self._first else self._rest_order).extend(nodes)
 
     def _queue(
         self,
@@ -292,7 +310,9 @@ class XdsPublisher:
         streams; the next chunk on the next turn of the loop (no loop: all of them now)."""
         soon = self._soon or _running_loop_soon()
         if self._first:  # what takes something back: all of it at once
-            self._patch(self._take(len(self._first)))
+            batch, self._first = self._first, {}
+            self._first_order.clear()
+            self._patch(batch)
         while True:
             self._patch(self._take(self._chunk))
             if not (self._first or self._rest):
@@ -349,17 +369,19 @@ class XdsPublisher:
                     hit.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
             return hit
 
+        # what a node with routes or the secret to take gets on top: one dict per combination
+        with_more: dict[tuple[int, bytes | None, bool], dict[TypeUrl, dict[str, bytes]]] = {}
+        wake = self.wake_order.append
+        patched = 0
+
         def patch(node: str, snapshot: Snapshot) -> Snapshot:
-            nonlocal secret
+            nonlocal secret, patched
             refresh = batch[node]
-            if refresh.secret and secret is None:
+            wants_secret = refresh.secret
+            if wants_secret and secret is None:
                 secret = {TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()}}
-            if secret is not None and refresh.secret and not (refresh.services or refresh.routes):
-                new = snapshot.patched(secret)  # the CRL fan-out: nothing else to look up
-                self.patched_nodes += new is not snapshot
-                self.wake_order.append(node)
-                return new
-            changes: dict[TypeUrl, dict[str, bytes]] = {}
+            changes: dict[TypeUrl, dict[str, bytes]] = _NO_CHANGES
+            routes: bytes | None = None
             if refresh.services or refresh.routes:
                 w = index.get(node)
                 if w is None:
@@ -370,15 +392,28 @@ class XdsPublisher:
                     changes = services_part(reg, attested, refresh.services)
                 if attested and refresh.routes:
                     routes = shared.inbound_routes(principal_of(reg))
-                    changes = {**changes, TypeUrl.ROUTE: {INBOUND_ROUTE: routes}}
-            if secret is not None and refresh.secret:
-                changes = {**changes, **secret}
+            if routes is None and changes is _NO_CHANGES and secret is not None and wants_secret:
+                changes = secret  # the CRL fan-out: nothing else to look up
+            elif routes is not None or wants_secret:
+                key = (id(changes), routes, wants_secret)
+                more = with_more.get(key)
+                if more is None:
+                    more = dict(changes)
+                    if routes is not None:
+                        more[TypeUrl.ROUTE] = {INBOUND_ROUTE: routes}
+                    if wants_secret and secret is not None:
+                        more.update(secret)
+                    with_more[key] = more
+                changes = more
             new = snapshot.patched(changes) if changes else snapshot
-            self.patched_nodes += new is not snapshot
-            self.wake_order.append(node)
+            patched += new is not snapshot
+            wake(node)
             return new
 
-        self._cache.update(batch, patch)
+        try:
+            self._cache.update(batch, patch)
+        finally:
+            self.patched_nodes += patched
 
     def _schedule_trust_fanout(self) -> None:
         if self._defer is not None and not self._fanout_pending:
@@ -394,17 +429,22 @@ class XdsPublisher:
             return
         before = self.patched_nodes
         first, rest, order = self._first, self._rest, self._rest_order
-        for node in self._cache.held():  # held nodes only: no check per node
-            refresh = first.get(node)
-            if refresh is not None:
-                first[node] = refresh.merged(_SECRET_ONLY)
-                continue
-            refresh = rest.get(node)
-            if refresh is None:
-                rest[node] = _SECRET_ONLY
-                order.append(node)
-            else:
-                rest[node] = refresh.merged(_SECRET_ONLY)
+        if not first and not rest:  # nothing queued (the usual case): in bulk
+            held = list(self._cache.held())
+            rest.update(dict.fromkeys(held, _SECRET_ONLY))
+            order.extend(held)
+        else:
+            for node in self._cache.held():  # held nodes only: no check per node
+                refresh = first.get(node)
+                if refresh is not None:
+                    first[node] = refresh.merged(_SECRET_ONLY)
+                    continue
+                refresh = rest.get(node)
+                if refresh is None:
+                    rest[node] = _SECRET_ONLY
+                    order.append(node)
+                else:
+                    rest[node] = refresh.merged(_SECRET_ONLY)
         self._pump()
         self.fanned_out = self.patched_nodes - before  # patched so far (all of them: no loop)
 
