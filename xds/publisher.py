@@ -342,19 +342,15 @@ class XdsPublisher:
         shared = self._shared
         if shared is None or not batch:
             return
-        index = shared.index
+        workload = shared.index.workloads.get  # (MeshIndex.get, without the call per node)
         secret: dict[TypeUrl, dict[str, bytes]] | None = None
         # the clusters and endpoints a node takes: the same for every node calling the same
         # services from the same namespace (every caller of a service), looked up once
         per_services: dict[object, dict[TypeUrl, dict[str, bytes]]] = {}
 
         def services_part(
-            reg: Registration, attested: bool, services: frozenset[ServiceKey]
+            reg: Registration, attested: bool, services: frozenset[ServiceKey], key: object
         ) -> dict[TypeUrl, dict[str, bytes]]:
-            key = (reg.namespace, tuple(reg.outbound), attested, services)
-            hit = per_services.get(key)
-            if hit is not None:
-                return hit
             hit = per_services[key] = {}
             for spelled in reg.outbound:
                 service = resolve_service(reg.namespace, spelled)
@@ -382,14 +378,17 @@ class XdsPublisher:
                 secret = {TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()}}
             changes: dict[TypeUrl, dict[str, bytes]] = _NO_CHANGES
             routes: bytes | None = None
-            if refresh.services or refresh.routes:
-                w = index.get(node)
+            services = refresh.services
+            if services or refresh.routes:
+                w = workload(node)
                 if w is None:
                     return snapshot
                 reg = w.registration
                 attested = w.status is Status.ATTESTED
-                if refresh.services and reg.outbound:
-                    changes = services_part(reg, attested, refresh.services)
+                if services and reg.outbound:
+                    part = (reg.namespace, tuple(reg.outbound), attested, services)
+                    hit = per_services.get(part)
+                    changes = services_part(reg, attested, services, part) if hit is None else hit
                 if attested and refresh.routes:
                     routes = shared.inbound_routes(principal_of(reg))
             if routes is None and changes is _NO_CHANGES and secret is not None and wants_secret:
