@@ -43,7 +43,7 @@ def test_bootstrap_renders_json_with_mutual_tls_to_the_control_plane(tmp_path: P
     assert tls["validation_context"]["match_typed_subject_alt_names"] == [
         {"san_type": "URI", "matcher": {"exact": CONTROL_PLANE_ID}}
     ]
-    assert tls["tls_certificate_sds_secret_configs"][0]["name"] == "workload-cert"
+    assert tls["tls_certificate_sds_secret_configs"][0]["name"] == "workload-leaf-cert"
     assert tls["alpn_protocols"] == ["h2"]
 
 
