@@ -12,11 +12,9 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import grpclib.const
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 from pydantic.warnings import PydanticDeprecatedSince212
 
@@ -30,17 +28,16 @@ from attestmesh.serve import (
 from certs.ca import CertificateAuthority, Issuer
 from certs.ca.templates import build_leaf
 from tests.component.ads_transport import TRANSPORT, TRANSPORTS, serve_ads
+from tests.component.test_ads_mtls import first_response
 from tests.unit.fixtures_core import csr_pem, new_key
 from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
 from xds.build import Packer, build_snapshots
 from xds.cache import SnapshotCache
-from xds.resources import ADS_SERVICE, TypeUrl
+from xds.resources import ADS_SERVICE
 from xds.server import AdsServer, PeerIdentity, warm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
-    from envoy_data_plane.envoy.config.core.v3 import Node
-    from envoy_data_plane.envoy.service.discovery.v3 import DiscoveryRequest, DiscoveryResponse
 
 METHOD = f"/{ADS_SERVICE}/StreamAggregatedResources"
 REFUSED = (StreamTerminatedError, ssl.SSLError, ConnectionError)
@@ -102,26 +99,6 @@ async def ads_server(
 
     async with serve_ads(AdsServer(cache, authorize=authorize), ctx) as port:
         yield port, ca, ctx
-
-
-async def first_response(port: int, ctx: ssl.SSLContext, node: str) -> DiscoveryResponse:
-    channel = Channel("127.0.0.1", port, ssl=ctx)
-    try:
-        async with (
-            asyncio.timeout(5),
-            channel.request(
-                METHOD, grpclib.const.Cardinality.STREAM_STREAM, DiscoveryRequest, DiscoveryResponse
-            ) as stream,
-        ):
-            await stream.send_message(
-                DiscoveryRequest(type_url=TypeUrl.CLUSTER, node=Node(id=node))
-            )
-            resp = await stream.recv_message()
-            assert resp is not None
-            await stream.cancel()
-            return resp
-    finally:
-        channel.close()
 
 
 @pytest.mark.parametrize("leaf_only", [True, False], ids=["leaf-only", "full-chain"])
