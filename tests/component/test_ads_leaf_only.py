@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 import warnings
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -22,19 +20,16 @@ from attestmesh.serve import (
     ControlPlaneSettings,
     XdsTrust,
     _deadlines,
-    _load_server_cert,
     _xds_tls,
 )
 from certs.ca import CertificateAuthority, Issuer
 from certs.ca.templates import build_leaf
-from tests.component.ads_transport import TRANSPORT, TRANSPORTS, serve_ads
+from tests.component.ads_transport import TRANSPORT, TRANSPORTS
+from tests.component.test_ads_mtls import ads_server_tls as ads_server
 from tests.component.test_ads_mtls import first_response
 from tests.unit.fixtures_core import csr_pem, new_key
-from tests.unit.xds.meshfixture import TD, TRUST, allow, two_workloads
-from xds.build import Packer, build_snapshots
-from xds.cache import SnapshotCache
+from tests.unit.xds.meshfixture import TD
 from xds.resources import ADS_SERVICE
-from xds.server import AdsServer, PeerIdentity, warm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", PydanticDeprecatedSince212)
@@ -75,30 +70,6 @@ def client(
     )
     ctx.load_cert_chain(tmp / "c.pem", tmp / "c.key")
     return ctx
-
-
-@asynccontextmanager
-async def ads_server(
-    tmp: Path,
-) -> AsyncIterator[tuple[int, CertificateAuthority, ssl.SSLContext]]:
-    warm()
-    ca = CertificateAuthority.load_or_create(tmp / "ca", TD, datetime.now(UTC))
-    ctx = _xds_tls(ca)
-    _load_server_cert(
-        [ctx], ca, ControlPlaneSettings(state_dir=tmp, trust_domain=TD), datetime.now(UTC)
-    )
-    state = two_workloads()
-    cache = SnapshotCache()
-    cache.set_snapshots(
-        build_snapshots(state, [allow("backend", "frontend")], TRUST, packer=Packer())
-    )
-
-    def authorize(node: str, peer: PeerIdentity) -> bool:
-        w = state.workloads.get(node)
-        return w is not None and w.registration.spiffe_id(TD) in peer.uris
-
-    async with serve_ads(AdsServer(cache, authorize=authorize), ctx) as port:
-        yield port, ca, ctx
 
 
 @pytest.mark.parametrize("leaf_only", [True, False], ids=["leaf-only", "full-chain"])

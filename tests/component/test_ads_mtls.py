@@ -72,6 +72,15 @@ def _transport(request: pytest.FixtureRequest) -> None:
 
 @asynccontextmanager
 async def ads_server(tmp: Path) -> AsyncIterator[tuple[int, CertificateAuthority]]:
+    async with ads_server_tls(tmp) as (port, ca, _ctx):
+        yield port, ca
+
+
+@asynccontextmanager
+async def ads_server_tls(
+    tmp: Path,
+) -> AsyncIterator[tuple[int, CertificateAuthority, ssl.SSLContext]]:
+    """The ADS port over mTLS for ``two_workloads``, with the server's TLS context."""
     warm()
     ca = CertificateAuthority.load_or_create(tmp / "ca", TD, datetime.now(UTC))
     ctx = _xds_tls(ca)
@@ -89,7 +98,7 @@ async def ads_server(tmp: Path) -> AsyncIterator[tuple[int, CertificateAuthority
         return w is not None and w.registration.spiffe_id(TD) in peer.uris
 
     async with serve_ads(AdsServer(cache, authorize=authorize), ctx) as port:
-        yield port, ca
+        yield port, ca, ctx
 
 
 async def first_response(port: int, ctx: ssl.SSLContext, node: str) -> DiscoveryResponse:
