@@ -208,8 +208,11 @@ async def test_a_change_arriving_while_a_write_is_in_flight_is_read_again(
     """A's renewal commits, but A learns it late (its writer is slow to report); meanwhile B,
     having seen the renewal, quarantines. The feed brings the quarantine to A while A's write
     on that row is still in flight, so A leaves it alone; once the write resolves A reads the
-    row again and adopts the quarantine (it would otherwise keep the renewed row)."""
-    import time as _time
+    row again and adopts the quarantine (it would otherwise keep the renewed row).
+
+    The writer reports only once the test saw the quarantine skipped (an event, not a sleep:
+    under load B's quarantine may take longer than any fixed delay to reach A)."""
+    import threading
 
     clock = Clock(NOW)
     a = Replica(pg_url, tmp_path / "ca-a", clock, replicate=True)
@@ -224,8 +227,10 @@ async def test_a_change_arriving_while_a_write_is_in_flight_is_read_again(
                 await asyncio.sleep(0.01)
         resolve = a.store._resolve
 
+        report = threading.Event()
+
         def slow(outcomes: object) -> None:  # the writer thread: committed, reported late
-            _time.sleep(1.5)
+            report.wait(10)
             resolve(outcomes)  # type: ignore[arg-type]
 
         a.store._resolve = slow  # type: ignore[method-assign]
@@ -239,12 +244,15 @@ async def test_a_change_arriving_while_a_write_is_in_flight_is_read_again(
             while "web-1" not in a.cp._skipped:
                 await asyncio.sleep(0.01)
         assert a.cp.status_of("web-1") is Status.ATTESTED and not renewal.done()
-        await renewal  # the renewal itself was durable before the quarantine
         a.store._resolve = resolve  # type: ignore[method-assign]
+        report.set()
+        await renewal  # the renewal itself was durable before the quarantine
+        # A's state adopts the row first; its announcement follows on the loop (coalesced,
+        # scheduled with call_soon): wait for that, then it is what A serves
         async with asyncio.timeout(10):
-            while a.cp.status_of("web-1") is not Status.QUARANTINED:
+            while a.publisher.last_state.workloads["web-1"].status is not Status.QUARANTINED:
                 await asyncio.sleep(0.01)
-        assert a.publisher.last_state.workloads["web-1"].status is Status.QUARANTINED
+        assert a.cp.status_of("web-1") is Status.QUARANTINED
     finally:
         a.close()
         b.close()
