@@ -246,6 +246,10 @@ class _DeltaSent:
     changes: tuple[tuple[str, str | None, str | None], ...] = ()
 
 
+_NO_SENT: dict[str, _DeltaSent] = {}
+"""What ``sent`` is while nothing awaits an ACK (shared, never written: a dict of its own is
+made for the first response; ~80 bytes per stream and type)."""
+
 _NO_NAMES: frozenset[str] = frozenset()
 """What ``names`` and ``due`` start as (shared; a set of their own once something is added: an
 empty set is ~200 bytes, per stream and type)."""
@@ -255,14 +259,16 @@ empty set is ~200 bytes, per stream and type)."""
 class _DeltaType:
     wildcard: bool = False
     names: AbstractSet[str] = _NO_NAMES  # explicit subscriptions
-    # name -> version last given to the client (or reported by it on a new stream)
+    # name -> version last given to the client (or reported by it on a new stream); while
+    # ``shared``, the dict of ``point`` (``_Point.have``), read-only: see _have_of
     have: dict[str, str] = field(default_factory=dict)
+    shared: bool = False
     due: AbstractSet[str] = _NO_NAMES  # answer about these whatever their version
     rejected: dict[str, str] | None = None  # name -> version the client NACKed
     answer: bool = False  # answer the next diff even if it is empty (a new wildcard)
     seen: Mapping[str, bytes] | None = None  # the snapshot mapping last diffed, and its version
     seen_version: str = ""
-    sent: dict[str, _DeltaSent] = field(default_factory=dict)
+    sent: dict[str, _DeltaSent] = field(default_factory=lambda: _NO_SENT)
     # set only while ``have`` is exactly what ``point`` says (see _Point); None: unknown
     point: _Point | None = None
 
@@ -272,6 +278,15 @@ def _names_of(st: _DeltaType) -> set[str]:
     if type(names) is not set:
         names = st.names = set(names)
     return names
+
+
+def _have_of(st: _DeltaType) -> dict[str, str]:
+    """``st.have``, to be written: a copy of its own first if it is a point's."""
+    have = st.have
+    if st.shared:
+        have = st.have = dict(have)
+        st.shared = False
+    return have
 
 
 def _due_of(st: _DeltaType) -> set[str]:
@@ -290,7 +305,7 @@ class _Point:
     the 5,000th stream cost a lookup, not a diff). Interned in :data:`_points` while a stream
     stands on it."""
 
-    __slots__ = ("__weakref__", "key", "mapping", "names", "steps", "type_url", "versions")
+    __slots__ = ("__weakref__", "have", "key", "mapping", "names", "steps", "type_url", "versions")
 
     def __init__(
         self,
@@ -307,6 +322,9 @@ class _Point:
         self.versions = versions
         # (id(new mapping), due names or None, answer) -> the answer from here to there
         self.steps: dict[tuple[object, ...], _Step] = {}
+        # name -> version for the names here: the ``have`` of every stream standing here (the
+        # first stream's own dict, then shared read-only; None until a stream gets here)
+        self.have: dict[str, str] | None = None
 
 
 class _Step:
@@ -386,7 +404,7 @@ class DeltaSession:
             sent = st.sent.pop(req.response_nonce, None)  # answered once: then forgotten
             if sent is not None:
                 if not st.sent:
-                    st.sent = {}  # an emptied dict keeps its table (~120 bytes more)
+                    st.sent = _NO_SENT  # an emptied dict keeps its table (~120 bytes more)
                 self._classify(type_url, st, req, sent)
         subscribe, unsubscribe = req.resource_names_subscribe, req.resource_names_unsubscribe
         # an ACK or NACK on a known type with no subscription change: nothing becomes due (a
@@ -430,6 +448,7 @@ class DeltaSession:
             if name == "*":
                 st.wildcard = False
                 st.have = {n: v for n, v in st.have.items() if n in st.names}
+                st.shared = False
                 continue
             if name in st.names:
                 _names_of(st).discard(name)
@@ -440,7 +459,7 @@ class DeltaSession:
             if st.wildcard:
                 _due_of(st).add(name)  # still in the wildcard or not: the client must be told
             else:
-                st.have.pop(name, None)
+                _have_of(st).pop(name, None)
         return answer
 
     def _classify(
@@ -450,13 +469,14 @@ class DeltaSession:
             # The client kept what it had: undo what this response changed (unless a later
             # response changed it again), and do not offer the rejected versions again.
             st.point = None
+            have = _have_of(st)
             for name, before, after in sent.changes:
-                if st.have.get(name) != after:
+                if have.get(name) != after:
                     continue
                 if before is None:
-                    st.have.pop(name, None)
+                    have.pop(name, None)
                 else:
-                    st.have[name] = before
+                    have[name] = before
                 if after is not None:
                     if st.rejected is None:
                         st.rejected = {}
@@ -544,15 +564,22 @@ class DeltaSession:
                     step = None
             if step is not None:
                 changed, removed, changes = step.changed, step.removed, step.changes
-                for name, _, given in changes:
-                    if given is None:
-                        have.pop(name, None)
-                    else:
-                        have[name] = given
                 after = step.after()
                 if after is None:
                     after = _point(type_url, available, step.names, self._versions)
                     step.after = weakref.ref(after)
+                held = after.have
+                if held is None:
+                    have = _have_of(st)
+                    for name, _, given in changes:
+                        if given is None:
+                            have.pop(name, None)
+                        else:
+                            have[name] = given
+                    after.have = have  # the streams that get here next share it
+                else:
+                    st.have = held  # what applying ``changes`` would make of ours
+                st.shared = True
                 numbered = step.numbered
             else:
                 diffs += 1
@@ -562,6 +589,8 @@ class DeltaSession:
                 if removed:
                     listed.extend((n, have.get(n), None) for n in removed)
                 changes = tuple(listed)
+                if st.shared and (changed or removed):
+                    have = _have_of(st)
                 for name, given, _ in changed:
                     have[name] = given
                 for name in removed:
@@ -579,6 +608,12 @@ class DeltaSession:
                     names = point.names if point is not None else frozenset(st.names)
                     after = _point(type_url, available, names, self._versions)
                     st.names = after.names  # shared while unchanged (_names_of copies it)
+                    # ``have`` is what the point says: the point's dict, shared while unchanged
+                    if after.have is None:
+                        after.have = have
+                    else:
+                        st.have = after.have
+                    st.shared = True
                     if point is not None:
                         steps = point.steps
                         if len(steps) >= _STEPS_KEPT:
@@ -608,6 +643,8 @@ class DeltaSession:
                 )
             self._nonce = number
             sent = st.sent
+            if sent is _NO_SENT:
+                sent = st.sent = {}
             sent[nonce] = _DeltaSent(self._clock(), changes)
             if len(sent) > _NONCES_KEPT:
                 del sent[next(iter(sent))]
