@@ -755,10 +755,10 @@ class MeshRun:
         await self.start_attesters(1)
         meter = self.cp.meter()
         cpu: list[float] = []
-        # the quarantines before revoked certificates: the control plane sends the new CRL to
-        # every stream in one coalesced fan-out a second later (serve.TRUST_FANOUT_DELAY); let
-        # it pass, or it lands in the first window (at N=10,000 ~1 s CPU, not this figure's)
-        await asyncio.sleep(1.5)
+        # (the quarantines before revoked certificates: the streams that deny the victim anyway
+        # get the new CRL in one coalesced fan-out serve.TRUST_FANOUT_DELAY after the first, or
+        # with the next patch they take; at N=10,000 a fan-out costs ~0.5-1 s CPU: in one
+        # window of nine at most, which the median absorbs)
         for w in self.new:
             await meter.settle()
             c0 = meter.sample()

@@ -60,29 +60,27 @@ _NO_CHANGES: dict[TypeUrl, dict[str, bytes]] = {}  # never written to
 class _Refresh:
     """What a held snapshot still has to take from the shared resources (read when it is
     patched, so a refresh queued by an older publish brings the newest value). Never changed
-    once made: one is shared by every node queued with the same needs."""
+    once made: one is shared by every node queued with the same needs. Every patch also
+    brings the current trust secret (bundle + CRL): a node whose rules or clusters change
+    may start to accept an identity, and must not do so with a CRL older than the state it
+    was patched to (the secret costs nothing to send when it is the one the node holds)."""
 
-    __slots__ = ("routes", "secret", "services")
+    __slots__ = ("routes", "services")
 
-    def __init__(self, services: frozenset[ServiceKey], routes: bool, secret: bool) -> None:
+    def __init__(self, services: frozenset[ServiceKey], routes: bool) -> None:
         self.services = services
         self.routes = routes
-        self.secret = secret
 
     def merged(self, other: _Refresh) -> _Refresh:
         """What both need (``self`` if it covers ``other``)."""
-        if (
-            (not other.services or other.services <= self.services)
-            and (self.routes or not other.routes)
-            and (self.secret or not other.secret)
+        if (not other.services or other.services <= self.services) and (
+            self.routes or not other.routes
         ):
             return self
-        return _Refresh(
-            self.services | other.services, self.routes or other.routes, self.secret or other.secret
-        )
+        return _Refresh(self.services | other.services, self.routes or other.routes)
 
 
-_SECRET_ONLY = _Refresh(_NO_SERVICES, False, True)
+_SECRET_ONLY = _Refresh(_NO_SERVICES, False)
 
 
 def _running_loop_soon() -> Soon | None:
@@ -192,6 +190,9 @@ class XdsPublisher:
             shared.set_mesh_policies(mesh_policies)
             self._by_source = destinations_by_source(mesh_policies, state.trust_domain)
         trust_changed = trust != shared.trust
+        # a new bundle (a CA rotation) must be everywhere before certificates of the new CA
+        # are presented: it is never deferred
+        bundle_changed = trust_changed and trust.bundle_pem != shared.trust.bundle_pem
         if trust_changed:
             shared.set_trust(trust)
         shared.invalidate_services(services)
@@ -208,11 +209,14 @@ class XdsPublisher:
         self.patched_nodes = 0
         self.wake_order = []
         # The others that depend on what changed get the new shared resources patched into
-        # the snapshot they hold. A new CRL goes at once to the nodes whose rules admit an
-        # identity that just changed (they could accept its revoked certificate); every other
-        # node denies it by RBAC anyway and gets the CRL with the next coalesced fan-out
-        # (``defer``).
-        everyone = trust_changed and self._defer is None
+        # the snapshot they hold, each with the current CRL. A new CRL goes at once to the
+        # nodes that could accept a certificate it revokes: those whose rules admit an
+        # identity that just changed, and the callers of a service an identity left (they
+        # accept its members' certificates as servers). Every other node denies the identity
+        # anyway; it gets the CRL with the next patch it takes for any other reason (before
+        # its rules or clusters could admit the identity), or with the coalesced fan-out
+        # (``defer``), which only keeps every node's CRL fresh.
+        everyone = bundle_changed or (trust_changed and self._defer is None)
         holders = index.holders_of(destinations)
         first = index.holders_of(urgent_destinations)
         if trust_changed:
@@ -228,14 +232,13 @@ class XdsPublisher:
         rest -= nodes | first
         changed_services = frozenset(services)
         # the refreshes queued, one per combination of needs (shared by the nodes queued)
-        first_holder = _Refresh(changed_services, True, everyone or trust_changed)
-        first_other = _Refresh(changed_services, policies_changed, everyone)
+        first_holder = _Refresh(changed_services, True)
+        first_other = _Refresh(changed_services, policies_changed)
         quiet = not (self._first or self._rest)  # (the four sets are disjoint)
         self._queue_all(self._first, first & holders, first_holder, quiet)
         self._queue_all(self._first, first - holders, first_other, quiet)
-        rest_holder = _Refresh(changed_services, True, False)
-        rest_other = _Refresh(changed_services, False, False)
-        self._queue_all(self._rest, rest & holders, rest_holder, quiet)
+        rest_other = _Refresh(changed_services, False)
+        self._queue_all(self._rest, rest & holders, first_holder, quiet)
         self._queue_all(self._rest, rest - holders, rest_other, quiet)
         if trust_changed and not everyone:
             self._schedule_trust_fanout()
@@ -343,7 +346,7 @@ class XdsPublisher:
         if shared is None or not batch:
             return
         workload = shared.index.workloads.get  # (MeshIndex.get, without the call per node)
-        secret: dict[TypeUrl, dict[str, bytes]] | None = None
+        secret = {TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()}}
         # the clusters and endpoints a node takes: the same for every node calling the same
         # services from the same namespace (every caller of a service), looked up once
         per_services: dict[object, dict[TypeUrl, dict[str, bytes]]] = {}
@@ -365,17 +368,15 @@ class XdsPublisher:
                     hit.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
             return hit
 
-        # what a node with routes or the secret to take gets on top: one dict per combination
-        with_more: dict[tuple[int, bytes | None, bool], dict[TypeUrl, dict[str, bytes]]] = {}
+        # what a node with clusters or routes to take gets, with the secret: one dict per
+        # combination
+        with_more: dict[tuple[int, bytes | None], dict[TypeUrl, dict[str, bytes]]] = {}
         wake = self.wake_order.append
         patched = 0
 
         def patch(node: str, snapshot: Snapshot) -> Snapshot:
-            nonlocal secret, patched
+            nonlocal patched
             refresh = batch[node]
-            wants_secret = refresh.secret
-            if wants_secret and secret is None:
-                secret = {TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()}}
             changes: dict[TypeUrl, dict[str, bytes]] = _NO_CHANGES
             routes: bytes | None = None
             services = refresh.services
@@ -391,17 +392,16 @@ class XdsPublisher:
                     changes = services_part(reg, attested, services, part) if hit is None else hit
                 if attested and refresh.routes:
                     routes = shared.inbound_routes(principal_of(reg))
-            if routes is None and changes is _NO_CHANGES and secret is not None and wants_secret:
+            if routes is None and changes is _NO_CHANGES:
                 changes = secret  # the CRL fan-out: nothing else to look up
-            elif routes is not None or wants_secret:
-                key = (id(changes), routes, wants_secret)
+            else:
+                key = (id(changes), routes)
                 more = with_more.get(key)
                 if more is None:
                     more = dict(changes)
                     if routes is not None:
                         more[TypeUrl.ROUTE] = {INBOUND_ROUTE: routes}
-                    if wants_secret and secret is not None:
-                        more.update(secret)
+                    more.update(secret)
                     with_more[key] = more
                 changes = more
             new = snapshot.patched(changes) if changes else snapshot

@@ -386,3 +386,86 @@ def test_what_takes_something_back_is_woken_first_and_the_rest_in_chunks() -> No
         assert got is not None and dict(got.get(TypeUrl.ENDPOINT)) == dict(
             snap.get(TypeUrl.ENDPOINT)
         )
+
+
+def _secret(cache: SnapshotCache, node: str) -> dict[str, bytes]:
+    snap = cache.get(node)
+    assert snap is not None
+    return dict(snap.get(TypeUrl.SECRET))
+
+
+def _deferring_mesh() -> tuple[SnapshotCache, XdsPublisher, list[Callable[[], None]], MeshState]:
+    """``_serving_mesh`` published, every node held, the CRL fan-out deferred into the list."""
+    cache = SnapshotCache()
+    later: list[Callable[[], None]] = []
+    pub = XdsPublisher(cache, defer=later.append)
+    state = _serving_mesh()
+    pub.publish(state, [], TRUST)
+    for n in state.workloads:
+        assert cache.get(n) is not None
+    return cache, pub, later, state
+
+
+def _expected_secret(
+    state: MeshState, policies: list[MeshPolicy], trust: TrustMaterial, node: str
+) -> dict[str, bytes]:
+    return dict(build_snapshots(state, policies, trust)[node].get(TypeUrl.SECRET))
+
+
+def test_a_quarantine_revokes_at_once_at_the_callers_that_accept_its_certificate() -> None:
+    """The callers of web accept any web member's certificate as a server (an address taken
+    over by the quarantined n0 would be accepted with it): they take the new CRL with the
+    endpoint change, not with the fan-out. Nodes that never accept n0 wait for it."""
+    cache, pub, later, state = _deferring_mesh()
+    q, _ = quarantine(state, "n0", Trigger.OPERATOR, "x", NOW)
+    crl = TrustMaterial(TRUST.bundle_pem, b"crl-with-n0")
+    old = _secret(cache, "n13")
+    pub.publish(q, [], crl, changed={"n0"})
+    for i in range(3, 13):
+        assert _secret(cache, f"n{i}") == _expected_secret(q, [], crl, f"n{i}")
+    for i in range(13, 19):
+        assert _secret(cache, f"n{i}") == old
+    assert len(later) == 1
+    later.pop()()
+    for i in range(13, 19):
+        assert _secret(cache, f"n{i}") == _expected_secret(q, [], crl, f"n{i}")
+
+
+def test_a_patch_for_any_reason_brings_the_current_crl() -> None:
+    """A node's rules or clusters may start to admit an identity whose certificate the
+    pending CRL revokes: whatever else a node is patched with, the current CRL comes along."""
+    cache, pub, later, state = _deferring_mesh()
+    crl = TrustMaterial(TRUST.bundle_pem, b"crl-2")
+    pub.publish(state, [], crl, changed=())  # a renewal's superseded certificate, say
+    old = _secret(cache, "n13")
+    assert old != _expected_secret(state, [], crl, "n13") and len(later) == 1
+    # api's member attests: its callers n13..n18 take its endpoint and the CRL with it
+    state, _ = record_attestation(
+        state, "n2", AttestationRecord("sim", {}, "p", "0", NOW),
+        IssuedCert(2, NOW + timedelta(hours=1)), NOW + timedelta(hours=1), NOW,
+    )  # fmt: skip
+    pub.publish(state, [], crl, changed={"n2"})
+    for i in range(13, 19):
+        assert _secret(cache, f"n{i}") == _expected_secret(state, [], crl, f"n{i}")
+    # a policy now admits sa0 at n4 (whose held CRL is still the old one): with the routes
+    admits = MeshPolicy(
+        "p", "default", "sa4", (Rule((Source(namespace="default", service_account="sa0"),)),)
+    )
+    crl3 = TrustMaterial(TRUST.bundle_pem, b"crl-3")
+    pub.publish(state, [], crl3, changed=())
+    pub.publish(state, [admits], crl3, changed=())
+    snap, expected = cache.get("n4"), build_snapshots(state, [admits], crl3)["n4"]
+    assert snap is not None
+    for t in (TypeUrl.ROUTE, TypeUrl.SECRET):
+        assert dict(snap.get(t)) == dict(expected.get(t)), t.short
+
+
+def test_a_new_trust_bundle_is_never_deferred() -> None:
+    """A CA rotation's bundle must be everywhere before certificates of the new CA are
+    presented: it reaches every held node at once, the fan-out's delay notwithstanding."""
+    cache, pub, later, state = _deferring_mesh()
+    rotated = TrustMaterial(TRUST.bundle_pem + b"\n(new root)", TRUST.crl_pem)
+    pub.publish(state, [], rotated, changed=())
+    assert later == []
+    for n in state.workloads:
+        assert _secret(cache, n) == _expected_secret(state, [], rotated, n)
