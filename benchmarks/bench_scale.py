@@ -71,6 +71,7 @@ from attestmesh.demo import free_port
 from benchmarks.scale_ads import raise_nofile
 from benchmarks.scale_bao import start_bao
 from benchmarks.scale_envoy import EnvoyMesh, EnvoyPorts, EnvoySpec
+from benchmarks.scale_floor import push_floor
 from benchmarks.scale_proc import ControlPlane, CpuMeter, Profiler, Worker
 from sidecar.agent import build_csr
 
@@ -233,12 +234,25 @@ FIGURES: list[tuple[str, str, str, Target | None]] = [
         Target("<=", 30.0, "KB"),
     ),
     ("quarantine_cpu_s", "one quarantine: control-plane CPU", "s", Target("<=", 0.2, "s")),
+    (
+        "quarantine_floor_cpu_s",
+        "  floor: a TLS write + an ACK read per caller (same run)",
+        "s",
+        None,
+    ),
+    ("quarantine_floor_ratio", "  control-plane CPU / floor", "x", None),
     ("quarantine_ops_call_s", "one quarantine: ops API call (until it returned)", "s", None),
     (
         "quarantine_ack_s",
         "one quarantine: ops call returned -> last caller ACK",
         "s",
         Target("<=", 1.0, "s"),
+    ),
+    (
+        "quarantine_floor_wall_s",
+        "  floor: the same writes and reads, wall time",
+        "s",
+        None,
     ),
     (
         "envoy_refused_p99_ms",
@@ -934,6 +948,19 @@ async def run_mesh(
     return f
 
 
+async def quarantine_floor(n: int, s: Settings, f: Figures) -> None:
+    """The lower bound under the quarantine's CPU and time to the last ACK, measured now (the
+    control plane stopped): ``scale_floor.push_floor`` with one connection per caller."""
+    callers = sum(w.caller for w in scenario(n, s.newcomers, s.seed)[0])
+    cpu, wall = await asyncio.to_thread(push_floor, callers)
+    log(f"N={n}: floor of a write + an ACK read per caller ({callers}): {cpu:.3f} s CPU")
+    f.set("quarantine_floor_cpu_s", cpu)
+    f.set("quarantine_floor_wall_s", wall)
+    ours = f.values.get("quarantine_cpu_s")
+    if isinstance(ours, float) and cpu > 0:
+        f.set("quarantine_floor_ratio", ours / cpu)
+
+
 async def run_bao(s: Settings, f: Figures) -> None:
     bao = await start_bao(s.workdir / "openbao", free_port(), free_port())
     workers: list[Worker] = []
@@ -1163,6 +1190,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             f = await run_mesh(n, s, sim_key, sim_pub, crypto_s, first_only=False)
             walls[n] = time.monotonic() - t0
+            await _phase(f, "quarantine floor", quarantine_floor(n, s, f))
             f.set("crypto_ms", crypto_s * 1e3)
             f.values[FIRST_100] = base.values.get(FIRST_100, "-")
             a, b = f.values.get(FIRST_N), f.values[FIRST_100]
