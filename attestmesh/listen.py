@@ -49,8 +49,9 @@ import socket
 import ssl as _ssl
 import sys
 from asyncio import sslproto
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -159,14 +160,30 @@ class _Probe(Protocol):
         ...
 
 
+_SOURCES_KEPT = 4_096  # hosts whose bucket _source_key remembers (then it starts afresh)
+_sources: dict[str, str] = {}
+
+
 def _source_key(peer: object) -> str | None:
-    """The per-source bucket: an IPv4 address, or an IPv6 /64 (one host holds a whole /64)."""
+    """The per-source bucket: an IPv4 address, or an IPv6 /64 (one host holds a whole /64).
+    Remembered per host string (parsing an address cost ~18 us at every accept; a mesh's
+    connections come from a few hosts), so the connections of a source share one string."""
     if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
         return None
+    host = peer[0]
+    key = _sources.get(host)
+    if key is None:
+        if len(_sources) >= _SOURCES_KEPT:
+            _sources.clear()
+        key = _sources[host] = _parse_source(host)
+    return key
+
+
+def _parse_source(host: str) -> str:
     try:
-        addr = ipaddress.ip_address(peer[0].split("%", 1)[0])
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
-        return peer[0]
+        return host
     if isinstance(addr, ipaddress.IPv6Address):
         if addr.ipv4_mapped is not None:
             return str(addr.ipv4_mapped)
@@ -347,7 +364,7 @@ class _Admission(asyncio.Protocol):
                 os.close(fd)
                 raise
             sock.setblocking(False)
-            tls = _SocketTLS(guard, lst, source, sock, transport.get_extra_info("peername"))
+            tls = _SocketTLS(guard, lst, source, sock)
         except BaseException:
             if sock is not None:
                 sock.close()  # now, not when the exception's traceback is dropped
@@ -520,6 +537,7 @@ def _server_connection(ctx: _ssl.SSLContext, sock: socket.socket) -> _TLSConnect
     return wrap(sock, True, None)  # type: ignore[no-any-return]
 
 
+_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})  # every _SocketTLS's (unused) _extra
 _TLS_CHUNK = 16_384  # plaintext given to one SSL_write: what a retry after EAGAIN repeats
 _READ_BUDGET = 262_144  # plaintext read in one readiness callback before yielding to the loop
 
@@ -550,7 +568,6 @@ class _SocketTLS(asyncio.Transport):
         "_lost",
         "_low",
         "_paused",
-        "_peer",
         "_reading",
         "_ready",
         "_scheduled",
@@ -567,9 +584,8 @@ class _SocketTLS(asyncio.Transport):
         listener: _Listener,
         source: str | None,
         sock: socket.socket,
-        peername: object,
     ) -> None:
-        super().__init__()
+        super().__init__(_NO_EXTRA)  # get_extra_info answers from the connection itself
         loop = listener.loop
         self._app = app
         self._listener = listener
@@ -577,7 +593,6 @@ class _SocketTLS(asyncio.Transport):
         self._sock: socket.socket | None = sock
         self._ssl: _TLSConnection | None = None
         self._fd = sock.fileno()
-        self._peer = peername
         self._deadline = loop.time() + listener.limits.handshake_timeout
         self._timer: asyncio.TimerHandle | None = loop.call_at(self._deadline, self._expire)
         self._ready = False
@@ -633,16 +648,24 @@ class _SocketTLS(asyncio.Transport):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            self._corked = True
+            self._corked = True  # until the read that completed the handshake is handled
             try:
                 self._app.connection_made(self)
             except Exception as exc:
+                self._corked = False
                 self._app_failed(exc, "connection_made")
                 return
-            finally:
-                self._corked = False
+        try:
+            eof = self._read_app_data(tls)
+        finally:
+            self._uncork()
+        if eof:
+            self.close()
+
+    def _read_app_data(self, tls: _TLSConnection) -> bool:
+        """Read what is there and hand it to the application (corked); True at EOF."""
         if self._lost:
-            return  # aborted meanwhile: the socket is closed
+            return False  # aborted meanwhile: the socket is closed
         chunks: list[bytes] = []
         got = 0
         eof = False
@@ -659,7 +682,7 @@ class _SocketTLS(asyncio.Transport):
             except (_ssl.SSLError, OSError) as exc:
                 log.debug("TLS read failed: %s", exc)
                 self._abort(exc)
-                return
+                return False
             if not chunk:
                 eof = True  # close_notify, or the TCP connection ended
                 break
@@ -677,11 +700,20 @@ class _SocketTLS(asyncio.Transport):
                 self._app.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
             except Exception as exc:
                 self._app_failed(exc, "data_received")
-                return
-            finally:
-                self._corked = False
-        if eof:
-            self.close()
+                return False
+        return eof
+
+    def _uncork(self) -> None:
+        """A read is handled: what the application wrote meanwhile (the handshake's
+        ``connection_made`` included) goes out together in a callback queued now, after
+        those the read queued itself: a push the read woke (``xds.adsconn``'s pushes run in
+        one callback queued as they are woken) writes first and, not corked, flushes at once
+        with everything before it, so a new stream's SETTINGS go out with its first
+        response (one record and system call less per new stream)."""
+        self._corked = False
+        if self._backlog and not self._scheduled and not self._writing and not self._lost:
+            self._scheduled = True
+            self._listener.loop.call_soon(self._flush_soon)
 
     def _await_writable(self) -> None:
         if not self._writing:
@@ -826,7 +858,9 @@ class _SocketTLS(asyncio.Transport):
         self._backlog_size += len(data)
         if self._writing:
             pass  # the socket is full: _write_ready sends it
-        elif not self._corked and not self._paused:
+        elif self._corked:
+            pass  # a read is being handled: _uncork queues the flush once it is
+        elif not self._paused:
             # a push (not an answer to a read): out now, not after the callbacks queued
             # meanwhile (a quarantined node's refusal must not wait behind the patch of
             # everyone else's configuration, which the publisher queues right after it)
@@ -876,8 +910,12 @@ class _SocketTLS(asyncio.Transport):
             return self._listener.tls
         if name == "cipher":
             return tls.cipher() if tls is not None else default
-        if name == "peername":
-            return self._peer
+        if name == "peername":  # asked for seldom (aiohttp's request.remote): not kept
+            sock = self._sock
+            try:
+                return default if sock is None else sock.getpeername()
+            except OSError:
+                return default
         if name == "socket":
             return self._sock
         return default
@@ -1427,7 +1465,7 @@ def _socket_tls(lst: _Listener, conn: socket.socket, peer: object) -> None:
         return
     try:
         guard = _Guard(lst, lst.app_factory())
-        _SocketTLS(guard, lst, source, conn, peer)  # the event loop holds it
+        _SocketTLS(guard, lst, source, conn)  # the event loop holds it
     except BaseException:
         conn.close()  # now, not when the exception's traceback is dropped
         lst.release(source)

@@ -1,0 +1,129 @@
+"""``_SocketTLS``: what the application writes while the read that completed the handshake is
+handled (an HTTP/2 server's SETTINGS from ``connection_made``) goes out with the push that
+read woke (a callback it queued: ``xds.adsconn``'s pushes), in one TLS write, not two."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trustme
+
+from attestmesh import listen
+from attestmesh.listen import ListenLimits, start_h2
+
+LIMITS = ListenLimits(write_timeout=30, idle_timeout=30, body_timeout=30, header_timeout=30)
+
+
+class _Counted:
+    """The server's TLS connection, its writes counted. Its first handshake step (the
+    server's flight sent) is followed by a pause, so the client's last flight and its first
+    request are read in one readiness callback, as at a loaded control plane."""
+
+    def __init__(self, tls: Any, writes: list[bytes]) -> None:
+        self._tls = tls
+        self._writes = writes
+        self._steps = 0
+
+    def do_handshake(self) -> None:
+        self._steps += 1
+        try:
+            self._tls.do_handshake()
+        except ssl.SSLWantReadError:
+            if self._steps == 1:
+                time.sleep(0.3)
+            raise
+
+    def write(self, data: bytes) -> int:
+        self._writes.append(bytes(data))
+        return int(self._tls.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tls, name)
+
+
+class _Pushing(asyncio.Protocol):
+    """Writes its SETTINGS when connected; a request wakes a push, which runs in a callback
+    of its own (not in the read)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+
+    def listen_phase(self) -> tuple[bool, object]:
+        return True, 0
+
+    def listen_body(self) -> float | None:
+        return None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.write(b"SETTINGS;")
+
+    def data_received(self, data: bytes) -> None:
+        transport = self.transport
+        assert transport is not None
+        asyncio.get_running_loop().call_soon(transport.write, b"PUSH;")
+
+
+class _Service:
+    def __init__(self) -> None:
+        self.servers: list[asyncio.Server] = []
+        self.conns: list[_Pushing] = []
+
+    def configure(self, **_: object) -> None:
+        pass
+
+    def protocol(self, report: Callable[[str], None] | None) -> asyncio.Protocol:
+        conn = _Pushing()
+        self.conns.append(conn)
+        return conn
+
+    def serving(self, server: asyncio.Server) -> None:
+        self.servers.append(server)
+
+
+def _client(port: int, ca: trustme.CA) -> bytes:
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    got = b""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        tls.write(b"request")  # right after the client's Finished
+        while got.count(b";") < 2:
+            chunk = tls.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+async def test_settings_go_out_with_the_first_push(monkeypatch: pytest.MonkeyPatch) -> None:
+    ca = trustme.CA()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(tls)
+    writes: list[bytes] = []
+    real = listen._server_connection
+    monkeypatch.setattr(
+        listen, "_server_connection", lambda ctx, sock: _Counted(real(ctx, sock), writes)
+    )
+    service = _Service()
+    lst = await start_h2(service, "127.0.0.1", 0, ssl=tls, limits=LIMITS)
+    try:
+        got = await asyncio.to_thread(_client, lst.port, ca)
+        assert got == b"SETTINGS;PUSH;"
+        assert writes == [b"SETTINGS;PUSH;"]
+    finally:
+        for conn in service.conns:
+            if conn.transport is not None:
+                conn.transport.abort()
+        for server in service.servers:
+            server.close()
+            await server.wait_closed()
