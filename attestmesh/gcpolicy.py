@@ -29,6 +29,16 @@ The policy:
   last one's duration apart, so churn an unauthenticated peer can cause (connections opened
   and dropped) stalls the loop for at most 1/``duty`` of the time.
 
+Start-up: :func:`hold_collections` (for the start-up to call before it loads the registrations
+file, the store and the protobuf classes) turns automatic collection off until
+:meth:`GcPolicy.start` freezes what is alive and turns it back on (:func:`release_collections`,
+also for a start-up that fails). Start-up allocates millions of objects that stay alive (or die
+acyclic, freed by reference counting); each full collection triggered on the way scans all of
+them again. Measured at N=10,000 (``attestmesh controlplane`` until /healthz): 8 full
+collections, 1.7 s of ~10 s CPU, 6 of them while the workloads file was parsed; a collection at
+the end would free ~11,000 objects, frozen with the rest (reclaimed by a full collection, as
+above).
+
 The decision is pure (:func:`decide`); :class:`GcPolicy` applies it through injected collector
 functions (the ``gc`` module's by default).
 """
@@ -119,6 +129,28 @@ def resident_bytes() -> int:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_held = False  # automatic collection is off because hold_collections turned it off
+
+
+def hold_collections() -> None:
+    """Turn automatic collection off for start-up, until :func:`release_collections` (which
+    :meth:`GcPolicy.start` calls). Does nothing when collection is already off (whoever turned it
+    off keeps it so); idempotent."""
+    global _held
+    if gc.isenabled():
+        gc.disable()
+        _held = True
+
+
+def release_collections() -> None:
+    """Turn automatic collection back on if :func:`hold_collections` turned it off;
+    idempotent (safe in a ``finally``)."""
+    global _held
+    if _held:
+        _held = False
+        gc.enable()
+
+
 @dataclass(frozen=True, slots=True)
 class Collector:
     """The collector functions the policy drives (``gc``'s by default; tests pass fakes)."""
@@ -164,8 +196,10 @@ class GcPolicy:
         return GcSample(self._gc.size(), open_now, closed)
 
     def start(self) -> None:
-        """Freeze everything alive now (call once the process is up: state loaded, served)."""
+        """Freeze everything alive now (call once the process is up: state loaded, served),
+        then end a start-up :func:`hold_collections`."""
         self._gc.freeze()
+        release_collections()
         self._base = self._sample()
 
     def tick(self) -> GcAction:
@@ -205,4 +239,13 @@ class GcPolicy:
                 self.tick()
 
 
-__all__ = ["Collector", "GcAction", "GcLimits", "GcPolicy", "GcSample", "decide"]
+__all__ = [
+    "Collector",
+    "GcAction",
+    "GcLimits",
+    "GcPolicy",
+    "GcSample",
+    "decide",
+    "hold_collections",
+    "release_collections",
+]
