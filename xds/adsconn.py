@@ -28,7 +28,6 @@ GOAWAY with the code, then close) or the stream only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -187,7 +186,7 @@ class _Call:
         "started",
         "timer",
         "wake",
-        "watch_cm",
+        "watch",
     )
 
     def __init__(self, sid: int, delta: bool) -> None:
@@ -196,7 +195,7 @@ class _Call:
         self.session: Any = None
         self.node = ""
         self.wake: _Wake | None = None
-        self.watch_cm: contextlib.AbstractContextManager[Watch] | None = None
+        self.watch: Watch | None = None
         self.timer: asyncio.TimerHandle | None = None  # the first request must come before it
         self.deadline: asyncio.TimerHandle | None = None  # grpc-timeout
         self.started = False  # response headers sent
@@ -441,9 +440,9 @@ class AdsConnection(asyncio.Protocol):
             ads = self._server.ads
             ads.metrics.xds_stream(-1)
             sync_status.closed(ads.cache, call.node, call.session)
-            if call.watch_cm is not None:
-                call.watch_cm.__exit__(None, None, None)
-                call.watch_cm = None
+            if call.watch is not None:
+                ads.cache.remove_watch(call.watch)
+                call.watch = None
 
     def _end_all(self) -> None:
         calls, self._calls = self._calls, {}
@@ -564,8 +563,7 @@ class AdsConnection(asyncio.Protocol):
         )
         call.session.on_request(req)
         cache: SnapshotCache = ads.cache
-        call.watch_cm = cache.watch(node)
-        watch = call.watch_cm.__enter__()
+        watch = call.watch = cache.add_watch(node)
         call.opened = True
         ads.metrics.xds_stream(+1)
         sync_status.opened(cache, node, call.session)

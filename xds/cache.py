@@ -36,7 +36,7 @@ Source = Callable[[str], Snapshot | None]
 class SnapshotCache:
     def __init__(self, source: Source | None = None) -> None:
         self._snapshots: dict[str, Snapshot] = {}
-        self._watches: dict[str, set[Watch]] = {}
+        self._watches: dict[str, list[Watch]] = {}  # (a list: one watch per node, mostly)
         self._source = source
         self._settle: Callable[[str], None] | None = None
         self.built = 0  # snapshots built through the source (tests and benchmarks read it)
@@ -142,20 +142,34 @@ class SnapshotCache:
 
     @contextmanager
     def watch(self, node: str) -> Iterator[Watch]:
-        """Register a watch for ``node`` for the duration of the block (set once if a snapshot
-        is already there, so the stream answers at once)."""
-        w = Watch(node)
-        self._watches.setdefault(node, set()).add(w)
-        if node in self._snapshots or self._source is not None:
-            w.changed.set()
+        """Register a watch for ``node`` for the duration of the block (see :meth:`add_watch`)."""
+        w = self.add_watch(node)
         try:
             yield w
         finally:
-            watches = self._watches.get(node)
-            if watches is not None:
-                watches.discard(w)
-                if not watches:
-                    del self._watches[node]
+            self.remove_watch(w)
+
+    def add_watch(self, node: str) -> Watch:
+        """Register a watch for ``node`` until :meth:`remove_watch` (set once if a snapshot is
+        already there, so the stream answers at once). What a stream held for its whole life
+        does without a context manager: no generator and its frame kept per stream."""
+        w = Watch(node)
+        watches = self._watches.get(node)
+        if watches is None:
+            self._watches[node] = [w]
+        else:
+            watches.append(w)
+        if node in self._snapshots or self._source is not None:
+            w.changed.set()
+        return w
+
+    def remove_watch(self, w: Watch) -> None:
+        """Forget ``w`` (again: nothing)."""
+        watches = self._watches.get(w.node)
+        if watches is not None and w in watches:
+            watches.remove(w)
+            if not watches:
+                del self._watches[w.node]
 
 
 __all__ = ["SnapshotCache", "Watch"]

@@ -250,6 +250,10 @@ _NO_SENT: dict[str, _DeltaSent] = {}
 """What ``sent`` is while nothing awaits an ACK (shared, never written: a dict of its own is
 made for the first response; ~80 bytes per stream and type)."""
 
+_NO_HAVE: dict[str, str] = {}
+"""What ``have`` starts as (shared, read-only like a point's dict: ``_have_of`` copies it before
+a write; ~64 bytes per stream and type)."""
+
 _NO_NAMES: frozenset[str] = frozenset()
 """What ``names`` and ``due`` start as (shared; a set of their own once something is added: an
 empty set is ~200 bytes, per stream and type)."""
@@ -261,8 +265,8 @@ class _DeltaType:
     names: AbstractSet[str] = _NO_NAMES  # explicit subscriptions
     # name -> version last given to the client (or reported by it on a new stream); while
     # ``shared``, the dict of ``point`` (``_Point.have``), read-only: see _have_of
-    have: dict[str, str] = field(default_factory=dict)
-    shared: bool = False
+    have: dict[str, str] = field(default_factory=lambda: _NO_HAVE)
+    shared: bool = True  # (the shared empty dict, until something is held)
     due: AbstractSet[str] = _NO_NAMES  # answer about these whatever their version
     rejected: dict[str, str] | None = None  # name -> version the client NACKed
     answer: bool = False  # answer the next diff even if it is empty (a new wildcard)
@@ -384,8 +388,7 @@ class DeltaSession:
         self._metrics = metrics
         self._clock = clock
         self._versions = versions
-        self._types: dict[TypeUrl, _DeltaType] = {}
-        self._ordered: list[tuple[TypeUrl, _DeltaType]] = []  # the types, in ADS order
+        self._types: dict[TypeUrl, _DeltaType] = {}  # (answered in ADS_ORDER)
         # clusters CDS updated before EDS was subscribed on this stream (a reconnect: the EDS
         # request, carrying versions the client holds, may come after the CDS answer)
         self._clusters_before_eds: set[str] | None = None
@@ -412,7 +415,6 @@ class DeltaSession:
         answer = st is None or not req.response_nonce or bool(subscribe or unsubscribe)
         if st is None:
             st = self._types[type_url] = _DeltaType()
-            self._ordered = [(t, self._types[t]) for t in ADS_ORDER if t in self._types]
             # the legacy wildcard: a first request naming nothing (Envoy's CDS and LDS)
             if not subscribe and not unsubscribe and type_url in WILDCARD_TYPES:
                 st.wildcard = st.answer = True
@@ -425,11 +427,13 @@ class DeltaSession:
                 if name not in initial:
                     _due_of(st).add(name)  # a name the client holds no version of: answer it
             names = st.names
-            st.have = {
-                name: version
-                for name, version in initial.items()
-                if version and (st.wildcard or name in names)
-            }
+            if initial:
+                st.have = {
+                    name: version
+                    for name, version in initial.items()
+                    if version and (st.wildcard or name in names)
+                }
+                st.shared = False
             if type_url is TypeUrl.ENDPOINT and self._clusters_before_eds:
                 due = self._clusters_before_eds & (st.have.keys() | names)
                 if due:
@@ -543,8 +547,11 @@ class DeltaSession:
         """Encoded DeltaDiscoveryResponses now due, in ADS order (a generator, as in
         :meth:`AdsSession.responses`)."""
         global diffs
-        resources, versions = snapshot.resources, snapshot.versions
-        for type_url, st in self._ordered:
+        resources, versions, types = snapshot.resources, snapshot.versions, self._types
+        for type_url in ADS_ORDER:
+            st = types.get(type_url)
+            if st is None:
+                continue
             available = resources.get(type_url, _NOTHING)
             due, answer = st.due, st.answer
             if available is st.seen and not due and not answer:

@@ -229,3 +229,27 @@ def _play(ops: list[tuple[object, ...]], memo: bool) -> list[object]:
 @given(st.lists(_ops, max_size=25))
 def test_memoised_answers_equal_each_streams_own_diff(ops: list[tuple[object, ...]]) -> None:
     assert _play(ops, memo=True) == _play(ops, memo=False)
+
+
+def test_the_shared_empty_held_versions_are_never_written() -> None:
+    """A new type's held versions start as one shared empty dict (``_NO_HAVE``, ~64 bytes
+    per stream and type saved): every write goes to a copy of the stream's own."""
+    versions = ResourceVersions()
+    wild = DeltaSession("w", UNCOUNTED, lambda: 0.0, versions)
+    wild.on_request(DeltaDiscoveryRequest(type_url=CDS))  # the legacy wildcard
+    named = _session(versions, ["a", "b"], 1)
+    cds = {CDS: {"c": _res("c", CDS)}}
+    snap = Snapshot.of({**cds, EDS: {"a": _res("1"), "b": _res("1")}})
+    for s in (wild, named):
+        for m in list(s.responses(snap)):
+            _ack(s, m, error=s is named)  # the named stream NACKs: its versions roll back
+    assert server._NO_HAVE == {}
+    assert wild._types[CDS].have == {"c": versions(_res("c", CDS))}
+    assert named._types[EDS].have == {}
+    for m in list(named.responses(_eds({"a": "2"}))):
+        _ack(named, m)
+    named.on_request(DeltaDiscoveryRequest(type_url=EDS, resource_names_unsubscribe=["b"]))
+    assert server._NO_HAVE == {}
+    assert DeltaSession("x", UNCOUNTED, lambda: 0.0, versions)._types == {}
+    fresh = _session(versions, ["a"], 2)
+    assert fresh._types[EDS].have == {} and fresh._types[EDS].have is server._NO_HAVE
