@@ -27,10 +27,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from benchmarks.bench_scale import CALLER_SAS, scenario
+from benchmarks.bench_quarantine import attested_mesh
+from benchmarks.bench_scale import CALLER_SAS
 from benchmarks.scale_ads import Stream
 from benchmarks.scale_ads import Worker as ClientWorker
 from xds.adsconn import AdsConnection, LeanAds, _Pushes
@@ -40,15 +41,8 @@ from xds.meshpolicy import MeshPolicy, Rule, Source
 from xds.publisher import XdsPublisher
 from xds.server import AdsServer
 from xds.state import (
-    AttestationRecord,
-    Endpoint,
-    IssuedCert,
-    MeshState,
-    Registration,
     Trigger,
     quarantine,
-    record_attestation,
-    register_all,
     release,
 )
 
@@ -136,38 +130,8 @@ class Wire:
                     peer.data_received(data)
 
 
-def _mesh(n: int) -> tuple[MeshState, list[str], list[str], Callable[[MeshState, str], MeshState]]:
-    mesh, _ = scenario(n, 0, "bench-push")
-    regs = [
-        Registration(
-            w.name,
-            "default",
-            w.sa,
-            w.sa,
-            Endpoint("127.0.0.1", w.inbound_port),
-            40000 + (w.inbound_port - 20000) % 25000,
-            {s: w.outbound_port + i for i, s in enumerate(w.outbound)},
-        )
-        for w in mesh
-    ]
-    state, _, _ = register_all(MeshState("bench.test"), regs, NOW)
-    serial = 0
-
-    def attest(state: MeshState, name: str) -> MeshState:
-        nonlocal serial
-        serial += 1
-        later = NOW + timedelta(hours=1)
-        record = AttestationRecord("sim", {}, "bench", "0", NOW)
-        state, _ = record_attestation(state, name, record, IssuedCert(serial, later), later, NOW)
-        return state
-
-    for r in regs:
-        state = attest(state, r.name)
-    return state, [w.name for w in mesh], [w.name for w in mesh if w.caller], attest
-
-
 async def run(n: int, rounds: int, profile: str | None, profile_round: int = -1) -> None:
-    state, nodes, callers, attest = _mesh(n)
+    state, nodes, callers, attest = attested_mesh(n, "bench-push", NOW)
     sources = tuple(Source("default", f"client-{k}") for k in range(CALLER_SAS))
     policies = [MeshPolicy("to-target", "default", "target", (Rule(sources, None, ()),))]
     trust = TrustMaterial(b"bundle", b"crl-0")

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
@@ -46,6 +47,7 @@ from benchmarks.bench_scale import (
 )
 from benchmarks.scale_ads import raise_nofile
 from benchmarks.scale_proc import CLK_TCK, Profiler
+from xds.state import MeshState
 
 
 def user_sys(pid: int) -> tuple[float, float]:
@@ -153,30 +155,22 @@ async def amain(args: argparse.Namespace) -> None:
     )
 
 
-def in_process(n: int, count: int) -> None:
-    """The publisher's part of a quarantine (see the module's docstring)."""
-    from dataclasses import replace
-    from datetime import UTC, datetime, timedelta
-
-    from xds.build import TrustMaterial
-    from xds.cache import SnapshotCache
-    from xds.meshpolicy import MeshPolicy, Rule, Source
-    from xds.publisher import XdsPublisher
+def attested_mesh(
+    n: int, seed: str, now: datetime
+) -> tuple[MeshState, list[str], list[str], Callable[[MeshState, str], MeshState]]:
+    """bench_scale's mesh of ``n`` workloads as a mesh state, every one attested: (state, the
+    workload names, the callers of ``target``, ``attest(state, name)`` for another
+    attestation)."""
     from xds.state import (
         AttestationRecord,
         Endpoint,
         IssuedCert,
-        MeshState,
         Registration,
-        Trigger,
-        quarantine,
         record_attestation,
         register_all,
-        release,
     )
 
-    now = datetime(2026, 1, 1, tzinfo=UTC)
-    mesh, _ = scenario(n, 0, "in-process")
+    mesh, _ = scenario(n, 0, seed)
     regs = [
         Registration(
             w.name,
@@ -202,6 +196,21 @@ def in_process(n: int, count: int) -> None:
 
     for r in regs:
         state = attest(state, r.name)
+    return state, [w.name for w in mesh], [w.name for w in mesh if w.caller], attest
+
+
+def in_process(n: int, count: int) -> None:
+    """The publisher's part of a quarantine (see the module's docstring)."""
+    from dataclasses import replace
+
+    from xds.build import TrustMaterial
+    from xds.cache import SnapshotCache
+    from xds.meshpolicy import MeshPolicy, Rule, Source
+    from xds.publisher import XdsPublisher
+    from xds.state import Trigger, quarantine, release
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    state, names, callers, attest = attested_mesh(n, "in-process", now)
     sources = tuple(Source("default", f"client-{k}") for k in range(CALLER_SAS))
     policies = [MeshPolicy("to-target", "default", "target", (Rule(sources, None, ()),))]
     trust = TrustMaterial(b"bundle", b"crl-0")
@@ -209,9 +218,8 @@ def in_process(n: int, count: int) -> None:
     cache = SnapshotCache()
     pub = XdsPublisher(cache, defer=deferred.append)  # no loop runs: every chunk at once
     pub.publish(state, policies, trust)
-    callers = [w.name for w in mesh if w.caller]
-    for w in mesh:  # every node's snapshot held, as its stream holds it
-        cache.get(w.name)
+    for name in names:  # every node's snapshot held, as its stream holds it
+        cache.get(name)
     times: list[float] = []
     fanouts: list[float] = []
     for k in range(count):
