@@ -112,10 +112,11 @@ def parse_registrations(doc: Any) -> tuple[Registration, ...]:
                 token_sha256=token,
             )
         )
-    names = [r.name for r in out]
-    problems += [
-        f"{n}: registered more than once" for n in sorted({n for n in names if names.count(n) > 1})
-    ]
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for r in out:
+        (twice if r.name in seen else seen).add(r.name)
+    problems += [f"{n}: registered more than once" for n in sorted(twice)]
     if problems:
         raise PolicyError(problems)
     return tuple(out)

@@ -99,6 +99,12 @@ def test_problems_of_every_item_and_duplicates_are_listed_together() -> None:
     assert _problems(doc) == ["workloads[0]: must be an object", "a: registered more than once"]
 
 
+def test_each_duplicated_name_is_listed_once_in_order() -> None:
+    names = ["c", "a", "c", "b", "c", "a", "d"]
+    doc = {"workloads": [_item(name=n) for n in names]}
+    assert _problems(doc) == ["a: registered more than once", "c: registered more than once"]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
