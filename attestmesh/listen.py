@@ -655,6 +655,9 @@ class _SocketTLS(asyncio.Transport):
                 self._corked = False
                 self._app_failed(exc, "connection_made")
                 return
+            except BaseException:
+                self._uncork()
+                raise
         try:
             eof = self._read_app_data(tls)
         finally:
