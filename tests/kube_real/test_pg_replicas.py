@@ -21,7 +21,7 @@ import pytest
 from attestmesh.kube_mode import KubeMode, KubeSettings, WorkKind, connect
 from attestmesh.metrics import Metrics
 from attestmesh.serve import ControlPlaneSettings, Running, run_control_plane
-from sidecar.agent import AgentError
+from sidecar.agent import Agent, AgentCertificate, AgentError
 from sidecar.inject import InjectConfig, SimInjection
 from tests.kube_real.cluster import free_port
 from tests.kube_real.plane import (
@@ -123,6 +123,20 @@ def hold_lease(admin: Rest, holder: str | None) -> None:
         admin.patch(*LEASE, {"spec": spec})
 
 
+async def _attest(agent: Agent, session: aiohttp.ClientSession) -> AgentCertificate:
+    """``attest_once``, again while the control plane answers 503 store_unavailable (what the
+    agent's run loop does): A's own writes of web-0 (its pod watch registers it too) can land
+    after B read the workload for this attestation, which B then refuses as a conflict."""
+    for _ in range(4):
+        try:
+            return await agent.attest_once(session)
+        except AgentError as exc:
+            if exc.reason != "store_unavailable":
+                raise
+            await asyncio.sleep(0.5)
+    return await agent.attest_once(session)
+
+
 @contextlib.asynccontextmanager
 async def two_replicas(env: Env, pg: PgCluster, tmp_path: Path, ns: str) -> AsyncIterator[Pair]:
     """A (holding the Lease) and B on one database, a pod ``web-0`` in ``ns`` registered on
@@ -147,7 +161,7 @@ async def two_replicas(env: Env, pg: PgCluster, tmp_path: Path, ns: str) -> Asyn
                 )
             token = await asyncio.to_thread(pod_token, admin, stored)
             async with aiohttp.ClientSession() as session:  # attested at the follower
-                issued = await b.agent(workload, token, GOOD).attest_once(session)
+                issued = await _attest(b.agent(workload, token, GOOD), session)
             await until(  # the attestation reached the leader through the database
                 lambda: a.running.cp.status_of(workload) is Status.ATTESTED or None,
                 what="attested on A",
