@@ -249,6 +249,12 @@ FIGURES: list[tuple[str, str, str, Target | None]] = [
         Target("<=", 1.0, "s"),
     ),
     (
+        "quarantine_clients_cpu_s",
+        "  the lean ADS clients' CPU meanwhile (on the same cores)",
+        "s",
+        None,
+    ),
+    (
         "quarantine_floor_wall_s",
         "  floor: the same writes and reads, wall time",
         "s",
@@ -605,6 +611,8 @@ class MeshRun:
             log(f"N={self.n}: every caller Envoy reaches w1 ({time.monotonic() - t0:.1f} s)")
         meter = self.cp.meter()
         await meter.settle()
+        clients = [CpuMeter(w.proc.pid) for w in self.ads]
+        client0 = [c.sample() for c in clients]
         cpu0 = meter.sample()
         t_send = time.monotonic()
         try:
@@ -631,6 +639,9 @@ class MeshRun:
             *(w.call({"cmd": "wait_taken", "timeout": left}) for w in self.ads)
         )
         cpu1 = meter.sample()
+        client_cpu = sum(
+            CpuMeter.delta(a, c.sample()) for a, c in zip(client0, clients, strict=True)
+        )
         if em is not None and watch is not None:
             await watch
             self.record_refusals(f, em, t_send, t_ret, 1)
@@ -653,6 +664,7 @@ class MeshRun:
             return
         f.set("quarantine_cpu_s", CpuMeter.delta(cpu0, cpu1))
         f.set("quarantine_ack_s", max(lasts) - t_ret)
+        f.set("quarantine_clients_cpu_s", client_cpu)
         f.notes.append(
             f"quarantine: ops call sent -> last caller ACK {max(lasts) - t_send:.3f} s; "
             f"{touched} of {self.n - callers} other streams were sent something"
