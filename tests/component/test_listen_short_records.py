@@ -10,8 +10,7 @@ import ssl
 
 import trustme
 
-from attestmesh.listen import start_h2
-from tests.component.test_listen_socket_tls import LIMITS, Blob, Service, ca, until
+from tests.component.test_listen_socket_tls import LIMITS, Blob, Service, ca, served, until
 
 __all__ = ["ca"]  # the fixture
 
@@ -23,13 +22,6 @@ class Recording(Blob):
 
     def data_received(self, data: bytes) -> None:
         self.got += data
-
-
-class RecordingService(Service):
-    def protocol(self, report: object) -> asyncio.Protocol:  # type: ignore[override]
-        conn = Recording()
-        self.conns.append(conn)
-        return conn
 
 
 def _burst(port: int, ca_: trustme.CA, records: list[bytes]) -> None:
@@ -46,11 +38,7 @@ def _burst(port: int, ca_: trustme.CA, records: list[bytes]) -> None:
 
 
 async def test_a_burst_of_short_records_and_the_close_all_arrive(ca: trustme.CA) -> None:
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost").configure_cert(tls)
-    service = RecordingService()
-    lst = await start_h2(service, "127.0.0.1", 0, ssl=tls, limits=LIMITS)
-    try:
+    async with served(ca, LIMITS, Service(Recording)) as (service, lst, _seen):
         records = [b"%03d:" % i + b"x" * (i % 40) for i in range(200)]
         await asyncio.to_thread(_burst, lst.port, ca, records)
         await until(lambda: bool(service.conns) and service.conns[0].lost)
@@ -58,10 +46,3 @@ async def test_a_burst_of_short_records_and_the_close_all_arrive(ca: trustme.CA)
         assert isinstance(conn, Recording)
         assert bytes(conn.got) == b"".join(records)
         assert lst.stats().open == 0
-    finally:
-        for c in service.conns:
-            if c.transport is not None:
-                c.transport.abort()
-        for server in service.servers:
-            server.close()
-            await server.wait_closed()

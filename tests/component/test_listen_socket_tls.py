@@ -12,6 +12,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import trustme
@@ -72,17 +73,20 @@ class Blob(asyncio.Protocol):
 
 
 class Service:
-    def __init__(self) -> None:
-        self.conns: list[Blob] = []
+    """An H2 service whose connections are ``make()``'s (kept in ``conns``)."""
+
+    def __init__(self, make: Callable[[], Any] = Blob) -> None:
+        self.make = make
+        self.conns: list[Any] = []
         self.servers: list[asyncio.Server] = []
 
     def configure(self, **_: object) -> None:
         pass
 
     def protocol(self, report: Callable[[str], None] | None) -> asyncio.Protocol:
-        blob = Blob()
-        self.conns.append(blob)
-        return blob
+        conn = self.make()
+        self.conns.append(conn)
+        return conn  # type: ignore[no-any-return]
 
     def serving(self, server: asyncio.Server) -> None:
         self.servers.append(server)
@@ -90,11 +94,13 @@ class Service:
 
 @asynccontextmanager
 async def served(
-    ca: trustme.CA, limits: ListenLimits = LIMITS
+    ca: trustme.CA, limits: ListenLimits = LIMITS, service: Service | None = None
 ) -> AsyncIterator[tuple[Service, Listener, list[CloseReason]]]:
+    """``service`` (default: of Blobs) served with TLS on a fresh port; its connections
+    aborted and its servers closed after."""
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("localhost").configure_cert(tls)
-    service = Service()
+    service = service or Service()
     seen: list[CloseReason] = []
     lst = await start_h2(
         service, "127.0.0.1", 0, ssl=tls, limits=limits, on_refused=lambda _, r: seen.append(r)

@@ -8,16 +8,13 @@ import asyncio
 import socket
 import ssl
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import trustme
 
 from attestmesh import listen
-from attestmesh.listen import ListenLimits, start_h2
-
-LIMITS = ListenLimits(write_timeout=30, idle_timeout=30, body_timeout=30, header_timeout=30)
+from tests.component.test_listen_socket_tls import LIMITS, Service, served
 
 
 class _Counted:
@@ -71,23 +68,6 @@ class _Pushing(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(transport.write, b"PUSH;")
 
 
-class _Service:
-    def __init__(self) -> None:
-        self.servers: list[asyncio.Server] = []
-        self.conns: list[_Pushing] = []
-
-    def configure(self, **_: object) -> None:
-        pass
-
-    def protocol(self, report: Callable[[str], None] | None) -> asyncio.Protocol:
-        conn = _Pushing()
-        self.conns.append(conn)
-        return conn
-
-    def serving(self, server: asyncio.Server) -> None:
-        self.servers.append(server)
-
-
 def _client(port: int, ca: trustme.CA) -> bytes:
     ctx = ssl.create_default_context()
     ca.configure_trust(ctx)
@@ -107,23 +87,12 @@ def _client(port: int, ca: trustme.CA) -> bytes:
 
 async def test_settings_go_out_with_the_first_push(monkeypatch: pytest.MonkeyPatch) -> None:
     ca = trustme.CA()
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost").configure_cert(tls)
     writes: list[bytes] = []
     real = listen._server_connection
     monkeypatch.setattr(
         listen, "_server_connection", lambda ctx, sock: _Counted(real(ctx, sock), writes)
     )
-    service = _Service()
-    lst = await start_h2(service, "127.0.0.1", 0, ssl=tls, limits=LIMITS)
-    try:
+    async with served(ca, LIMITS, Service(_Pushing)) as (_service, lst, _seen):
         got = await asyncio.to_thread(_client, lst.port, ca)
         assert got == b"SETTINGS;PUSH;"
         assert writes == [b"SETTINGS;PUSH;"]
-    finally:
-        for conn in service.conns:
-            if conn.transport is not None:
-                conn.transport.abort()
-        for server in service.servers:
-            server.close()
-            await server.wait_closed()
