@@ -34,7 +34,7 @@ from benchmarks.bench_quarantine import attested_mesh
 from benchmarks.bench_scale import CALLER_SAS
 from benchmarks.scale_ads import Stream
 from benchmarks.scale_ads import Worker as ClientWorker
-from xds.adsconn import AdsConnection, LeanAds, _Pushes
+from xds.adsconn import LeanAds, _Pushes
 from xds.build import TrustMaterial
 from xds.cache import SnapshotCache
 from xds.meshpolicy import MeshPolicy, Rule, Source
@@ -149,15 +149,13 @@ async def run(n: int, rounds: int, profile: str | None, profile_round: int = -1)
     wire = Wire()
     client_worker = ClientWorker()
     streams: list[Stream] = []
-    servers: list[AdsConnection] = []
     caller_set = set(callers)
     for node in nodes:
         server = lean.protocol()
         client = Stream(client_worker, node, node in caller_set)
         server.connection_made(Pipe(wire, client, server_side=True))
         client.connection_made(Pipe(wire, server, server_side=False))
-        streams.append(client)
-        servers.append(server)
+        streams.append(client)  # (the servers: lean.connections holds them)
         if len(wire.queue) > 2000:
             await wire.drain()
     await wire.drain()

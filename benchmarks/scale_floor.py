@@ -27,15 +27,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import trustme
 
+from benchmarks.scale_ads import raise_nofile
 
-def _raise_nofile() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+def _ready_reads(sel: selectors.BaseSelector) -> Iterator[tuple[ssl.SSLSocket, bytes]]:
+    """(connection, what it had) for the readable connections (b"": closed or failed)."""
+    for key, _mask in sel.select():
+        tls: ssl.SSLSocket = key.fileobj  # type: ignore[assignment]
+        try:
+            yield tls, tls.read(65_536)
+        except ssl.SSLWantReadError:
+            continue
+        except (ssl.SSLError, OSError):
+            yield tls, b""
 
 
 def _cpu() -> float:
@@ -62,7 +71,7 @@ def push_floor(
 
 
 def _server(n: int, payload: int, ack: int, rounds: int) -> None:
-    _raise_nofile()
+    raise_nofile()
     with tempfile.TemporaryDirectory(prefix="scale-floor-") as tmp:
         d = Path(tmp)
         ca = trustme.CA()
@@ -108,12 +117,9 @@ def _server(n: int, payload: int, ack: int, rounds: int) -> None:
                     tls.write(data)
                 left = n
                 while left:
-                    for key, _mask in sel.select():
-                        tls = key.fileobj  # type: ignore[assignment]
-                        try:
-                            chunk = tls.read(65_536)
-                        except ssl.SSLWantReadError:
-                            continue
+                    for tls, chunk in _ready_reads(sel):
+                        if not chunk:
+                            raise RuntimeError("a floor connection closed mid-round")
                         before = got[tls]
                         got[tls] = before + len(chunk)
                         if before < ack <= before + len(chunk):
@@ -129,7 +135,7 @@ def _server(n: int, payload: int, ack: int, rounds: int) -> None:
 
 
 def _client(n: int, payload: int, ack: int, port: int, certs: Path) -> None:
-    _raise_nofile()
+    raise_nofile()
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     ctx.load_cert_chain(str(certs / "c.pem"))
     ctx.set_alpn_protocols(["h2"])
@@ -146,14 +152,7 @@ def _client(n: int, payload: int, ack: int, port: int, certs: Path) -> None:
     sys.stdout.flush()
     answer = b"a" * ack
     while held:
-        for key, _mask in sel.select():
-            tls = key.fileobj  # type: ignore[assignment]
-            try:
-                chunk = tls.read(65_536)
-            except ssl.SSLWantReadError:
-                continue
-            except (ssl.SSLError, OSError):
-                chunk = b""
+        for tls, chunk in _ready_reads(sel):
             if not chunk:  # the server closed: this connection is done
                 sel.unregister(tls)
                 del held[tls]
