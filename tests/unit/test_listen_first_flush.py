@@ -14,7 +14,7 @@ import pytest
 import trustme
 
 from attestmesh import listen
-from tests.component.test_listen_socket_tls import LIMITS, Service, served
+from tests.component.test_listen_socket_tls import LIMITS, Blob, Service, served
 
 
 class _Counted:
@@ -44,23 +44,14 @@ class _Counted:
         return getattr(self._tls, name)
 
 
-class _Pushing(asyncio.Protocol):
+class _Pushing(Blob):
     """Writes its SETTINGS when connected; a request wakes a push, which runs in a callback
     of its own (not in the read)."""
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-
-    def listen_phase(self) -> tuple[bool, object]:
-        return True, 0
-
-    def listen_body(self) -> float | None:
-        return None
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.write(b"SETTINGS;")
+        super().connection_made(transport)
+        assert self.transport is not None
+        self.transport.write(b"SETTINGS;")
 
     def data_received(self, data: bytes) -> None:
         transport = self.transport
