@@ -72,7 +72,12 @@ def _check_mode(args: argparse.Namespace) -> None:
 
 def _controlplane(args: argparse.Namespace) -> int:
     from attestmesh.metrics import Metrics
-    from attestmesh.serve import ControlPlaneSettings, Hooks, run_control_plane
+    from attestmesh.serve import (
+        ControlPlaneSettings,
+        Hooks,
+        default_attest_processes,
+        run_control_plane,
+    )
 
     _check_mode(args)
     kube_settings = None
@@ -140,6 +145,9 @@ def _controlplane(args: argparse.Namespace) -> int:
         allow_unauthenticated_registrations=args.allow_unauthenticated_registrations,
         attest_burst=args.attest_burst,
         attest_refill=timedelta(seconds=args.attest_refill),
+        attest_processes=default_attest_processes()
+        if args.attest_processes is None
+        else args.attest_processes,
         trust_domain=args.trust_domain,
         host=args.host,
         api_port=args.api_port,
@@ -359,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--attest-refill seconds (default 8; an agent needs about 2 an hour)",
     )
     cp.add_argument("--attest-refill", type=float, default=60.0, help="seconds (default 60)")
+    cp.add_argument(
+        "--attest-processes",
+        type=int,
+        default=None,
+        help="worker processes that verify evidence and sign certificates (default: one fewer "
+        "than the cores, at most 4; 0: threads of the control plane's process). A CA key in a "
+        "PKCS#11 token always signs in the control plane's process",
+    )
     cp.add_argument("--trust-domain", default="attestmesh.local")
     cp.add_argument("--host", default="127.0.0.1")
     cp.add_argument("--api-port", type=int, default=8443)

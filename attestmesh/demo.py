@@ -32,6 +32,7 @@ from attestmesh.serve import (
     ControlPlaneSettings,
     Running,
     control_plane_spiffe_id,
+    default_attest_processes,
     run_control_plane,
 )
 from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
@@ -158,6 +159,7 @@ def write_config(
         mesh_policy_file=root / "mesh.yaml",
         registrations_file=root / "workloads.yaml",
         sim_platform_keys=(sim_key,),
+        attest_processes=default_attest_processes(),  # as `attestmesh controlplane` does
         api_port=free_port(),
         xds_port=free_port(),
         ops_port=free_port(),

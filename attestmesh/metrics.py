@@ -107,6 +107,18 @@ class Metrics:
             "Certificates revoked because the response carrying them never reached the agent",
             registry=r,
         )
+        self.attest_crypto = Counter(
+            "attestmesh_attest_crypto_total",
+            "Attestations verified and signed, by where: a worker process or a thread of the "
+            "control plane's (no worker process ready, or the CA key stays in its token)",
+            ["where"],
+            registry=r,
+        )
+        self.attest_worker_processes = Gauge(
+            "attestmesh_attest_worker_processes",
+            "Attestation worker processes ready (0: verification and signing run on threads)",
+            registry=r,
+        )
         self.xds_streams = Gauge("attestmesh_xds_streams", "Connected xDS streams", registry=r)
         self.xds_push_ack_seconds = LabelledHistogram(
             "attestmesh_xds_push_ack_seconds",

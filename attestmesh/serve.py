@@ -35,6 +35,7 @@ from attestmesh.controlplane import (
     IdentityCheck,
     Publisher,
     RegistrationTokenCheck,
+    WorkerProcesses,
 )
 from attestmesh.controlplane import http as api
 from attestmesh.controlplane.secrets import SecretPolicies
@@ -57,10 +58,8 @@ from certs.collateral.intel_pcs import (
 from certs.collateral.roots import load_roots
 from certs.errors import AttestmeshError, PolicyError
 from certs.evidence.claims import Tee
-from certs.evidence.composite import attach_gpus
-from certs.evidence.registry import build_verifiers
-from certs.evidence.sim import load_platform_public_key
 from certs.keystore import open_key_store
+from certs.offload import VerifierRecipe, configured_verifiers
 from certs.policy import parse_policies
 from sidecar.agent import EvidenceSource
 from xds.adsconn import LeanAds
@@ -125,6 +124,9 @@ class ControlPlaneSettings:
     # per workload: attestations at once, then one more per attest_refill
     attest_burst: int = 8
     attest_refill: timedelta = timedelta(seconds=60)
+    # worker processes verifying evidence and signing leaves (0: threads of this process); the
+    # command line's default is default_attest_processes()
+    attest_processes: int = 0
     sim_platform_keys: tuple[Path, ...] = ()
     roots_dir: Path | None = None
     amd_kds_url: str | None = None
@@ -354,6 +356,12 @@ async def _rotate_server_cert(
             wait = timedelta(minutes=1)
 
 
+def default_attest_processes() -> int:
+    """One worker process per core but the one the event loop needs, at most 4 (the control
+    plane's process still parses, answers and persists every attestation)."""
+    return max(0, min(4, (os.cpu_count() or 1) - 1))
+
+
 def build_collateral_sources(
     settings: ControlPlaneSettings, session: aiohttp.ClientSession
 ) -> dict[Tee, CollateralSource]:
@@ -412,10 +420,15 @@ def build_control_plane(
                 "(or fail an attestation) in its name",
                 name,
             )
-    sim_keys = [load_platform_public_key(p.read_bytes()) for p in settings.sim_platform_keys]
-    # SEV-SNP / TDX evidence may carry attached NVIDIA GPU reports (certs.evidence.composite)
-    verifiers = attach_gpus(
-        build_verifiers(load_roots(settings.roots_dir), sim_keys=sim_keys or None)
+    # SEV-SNP / TDX evidence may carry attached NVIDIA GPU reports (certs.evidence.composite);
+    # worker processes build the same verifiers from the same recipe
+    recipe = VerifierRecipe(
+        configured_verifiers,
+        (settings.roots_dir, tuple(p.read_bytes() for p in settings.sim_platform_keys)),
+    )
+    verifiers = recipe.build(*recipe.args)
+    processes = (
+        WorkerProcesses(settings.attest_processes, recipe) if settings.attest_processes else None
     )
     now = datetime.now(UTC)
 
@@ -499,6 +512,7 @@ def build_control_plane(
         limiter=AttestationLimiter(settings.attest_burst, settings.attest_refill),
         replication=replication,
         crl_source=crl,
+        processes=processes,
     )
     adopt.append(cp.adopt_changes)
     made.append(cp)
@@ -786,6 +800,19 @@ class Running:
     bundle_pem: bytes
 
 
+def _start_processes(cp: ControlPlane, metrics: Metrics) -> None:
+    """Warm the attestation worker processes up, in the background (until they answer,
+    attestations verify and sign on threads); none when the CA key stays in its token."""
+    procs = cp.processes
+    if procs is None:
+        return
+    if cp.ca.signing_material() is None:
+        log.info("the CA key is in a token: attestations are signed in this process")
+        return
+    metrics.attest_worker_processes.set_function(lambda: procs.count if procs.ready else 0)
+    procs.start()
+
+
 async def run_control_plane(
     settings: ControlPlaneSettings,
     stop: asyncio.Event,
@@ -901,6 +928,7 @@ async def _run_control_plane(
                 settings.xds_port,
                 settings.ops_port,
             )
+            _start_processes(cp, metrics)
             if ready is not None:
                 ready.set_result(Running(cp, publisher, metrics, cp.ca.bundle_pem))
             async with asyncio.TaskGroup() as tg:
@@ -922,6 +950,8 @@ async def _run_control_plane(
                 ready.set_exception(exc)
             raise
         finally:
+            if cp.processes is not None:
+                await cp.processes.aclose()
             grpc.close()
             await grpc.wait_closed()
             await api_runner.cleanup()

@@ -951,7 +951,8 @@ async def run_mesh(
             await _phase(f, "envoy rounds", run.envoy_rounds(f, session))
             async with prof.phase(run.cp.pid, f"n{n}-first-attestation"):
                 await _phase(f, "first attestation", run.first_attestations(FIRST_N, f))
-            await _phase(f, "issuance", run.issuance(f, session, crypto_s))
+            async with prof.phase(run.cp.pid, f"n{n}-issuance"):
+                await _phase(f, "issuance", run.issuance(f, session, crypto_s))
     finally:
         await run.close_workers()
         run.shutdown()
@@ -1133,12 +1134,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--py-spy",
         type=Path,
         help="profile the control plane (py-spy record, folded stacks) during the streams, "
-        "quarantine and first-attestation phases into this directory (slows what it samples)",
+        "quarantine, first-attestation and issuance phases into this directory (slows what "
+        "it samples)",
     )
     p.add_argument(
         "--py-spy-phases",
         help="comma-separated phases --py-spy profiles: streams, quarantine, "
-        "first-attestation (default: all three)",
+        "first-attestation, issuance (default: all four)",
     )
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")

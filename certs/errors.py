@@ -6,9 +6,15 @@ be returned to clients and used as a metric label without unbounded cardinality.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AttestmeshError(Exception):
-    """Base of every error attestmesh raises on purpose."""
+    """Base of every error attestmesh raises on purpose.
+
+    Pickles as what it is (class, message and attributes, whatever its ``__init__`` takes): a
+    refusal decided in a worker process (``certs.offload``) reaches the control plane intact.
+    """
 
     reason: str = "error"
 
@@ -16,6 +22,20 @@ class AttestmeshError(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (Exception's own reduce calls ``cls(*args)``: wrong for every subclass whose
+        # ``__init__`` takes other arguments than its message)
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore(
+    cls: type[AttestmeshError], args: tuple[object, ...], attrs: dict[str, Any]
+) -> AttestmeshError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(attrs)
+    return exc
 
 
 class EvidenceFormatError(AttestmeshError):

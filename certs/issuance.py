@@ -210,10 +210,10 @@ def verify_request(
             "report data does not bind this nonce and the CSR's public key",
             tee,
         )
-    return Verified(_SEAL, csr, _read_only(claims), req.nonce, spki)
+    return Verified(_SEAL, csr, read_only_claims(claims), req.nonce, spki)
 
 
-def _read_only(claims: Claims) -> Claims:
+def read_only_claims(claims: Claims) -> Claims:
     """The claims with read-only mappings: a sealed value's claims cannot be changed between
     verification, appraisal and the leaf either (``claims.measurements[k] = v``)."""
     return replace(

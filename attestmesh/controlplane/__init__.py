@@ -8,6 +8,7 @@
 - ``ports``: the protocols the wiring fills (``Publisher``, ``IdentityCheck``,
   ``CollateralSource``, ``Replication``, ``Clock``); ``identity`` (join tokens), ``limiter``
   (attestations per workload), ``issued`` (what an attestation hands back);
+- ``workers``: threads and worker processes for verification and signing (``certs.offload``);
 - ``secrets`` and ``kbs``: secret release to attested workloads (mutual-TLS API, KBS protocol).
 
 A layer of its own between the adapters below (certs, xds) and the wiring above (serve,
@@ -26,6 +27,7 @@ from attestmesh.controlplane.ports import (
     Replication,
 )
 from attestmesh.controlplane.service import ControlPlane, StoreUnavailableError
+from attestmesh.controlplane.workers import WorkerProcesses
 
 __all__ = [
     "AttestationLimiter",
@@ -38,4 +40,5 @@ __all__ = [
     "RegistrationTokenCheck",
     "Replication",
     "StoreUnavailableError",
+    "WorkerProcesses",
 ]

@@ -28,22 +28,18 @@ from attestmesh.controlplane.ports import (
     Publisher,
     Replication,
 )
-from attestmesh.controlplane.workers import WorkerThreads
+from attestmesh.controlplane.workers import OffloadUnavailable, WorkerProcesses, WorkerThreads
 from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import TcbGraceBook, deferrals_to_drop
-from certs.ca import CertificateAuthority, Issuer, Leaf, issue, rotation_step
+from certs.ca import CertificateAuthority, Issuer, Leaf, SigningMaterial, rotation_step
 from certs.errors import AttestmeshError, CollateralError, PolicyError
 from certs.evidence.claims import Claims, TcbStatus, Tee, Verifier
-from certs.issuance import (
-    Admission,
-    AttestRequest,
-    EvidenceRejected,
-    decide,
-    verify_request,
-)
+from certs.issuance import AttestRequest, EvidenceRejected
 from certs.nonces import NonceBook, NonceError
+from certs.offload import Job, verify_and_sign
 from certs.policy import (
     DEFAULT_REATTESTATION,
+    Admitted,
     AttestationPolicy,
     Rejected,
     appraise_all,
@@ -167,6 +163,7 @@ class ControlPlane:
         limiter: AttestationLimiter | None = None,
         replication: Replication | None = None,
         crl_source: CrlSource | None = None,
+        processes: WorkerProcesses | None = None,
     ) -> None:
         self._state = state
         self._store = store
@@ -193,6 +190,9 @@ class ControlPlane:
         self._crl_builds = 0  # CRL sets built on the loop (a newer one wins over a thread's)
         # verification, signing and CRLs run on threads of their own (``CRYPTO_THREADS``)
         self._crypto = WorkerThreads(CRYPTO_THREADS, "attest-crypto")
+        # attestations' verification and signing in worker processes, when given and ready
+        self._procs = processes
+        self._signing: tuple[CertificateAuthority | None, SigningMaterial | None] = (None, None)
         # at most ISSUING attestations between verification and their durable answer
         self._issuing = asyncio.Semaphore(ISSUING)
         self._crl_at: datetime | None = None
@@ -249,6 +249,11 @@ class ControlPlane:
     @property
     def policies(self) -> tuple[AttestationPolicy, ...]:
         return self._policies
+
+    @property
+    def processes(self) -> WorkerProcesses | None:
+        """The worker processes attestations are verified and signed in (None: threads)."""
+        return self._procs
 
     @property
     def verifiers(self) -> Mapping[Tee, Verifier]:
@@ -714,14 +719,11 @@ class ControlPlane:
         group commit takes no CPU: the next attestation may be verified meanwhile)."""
         ensure_may_issue(self._state, req.workload)  # quarantined while it waited: refused now
         try:
-            signed = await self._off_loop(
-                _verify_and_sign, req, self._verifiers, governing, ca, spiffe, self._serials, now
-            )
+            admitted, leaf = await self._verify_and_sign(req, governing, ca, spiffe, now)
         except EvidenceRejected as exc:
             self._refused(req.workload, exc, now)
             raise
-        admission, leaf = signed
-        admitted, serial = admission.admitted, leaf.serial
+        serial = leaf.serial
         not_after = leaf.not_after
         due = min(now + interval, not_after)
         record = AttestationRecord(
@@ -789,6 +791,39 @@ class ControlPlane:
         self._metrics.certificates_issued.inc()
         self._metrics.issuance_seconds.observe(time.perf_counter() - started)
         return self._offer_nonce(issued, now)
+
+    async def _verify_and_sign(
+        self,
+        req: AttestRequest,
+        governing: Sequence[AttestationPolicy],
+        ca: CertificateAuthority,
+        spiffe: str,
+        now: datetime,
+    ) -> tuple[Admitted, Leaf]:
+        """``certs.offload.verify_and_sign`` in a worker process when one is ready and the CA's
+        key may leave this process (a file key; a token's key signs here), else on a thread."""
+        serial = self._serials()
+        procs = self._procs
+        if procs is not None and procs.ready:
+            if self._signing[0] is not ca:  # (once per CA value: rotation makes a new one)
+                self._signing = (ca, ca.signing_material())
+            material = self._signing[1]
+            if material is not None:
+                job = Job(req, tuple(governing), material, spiffe, serial, now)
+                try:
+                    signed = await procs.run(job)
+                except OffloadUnavailable:  # no verdict: this process does it (the pool counts)
+                    pass
+                except BaseException:  # its verdict (a refusal), or the caller went away
+                    self._metrics.attest_crypto.labels("process").inc()
+                    raise
+                else:
+                    self._metrics.attest_crypto.labels("process").inc()
+                    return signed
+        self._metrics.attest_crypto.labels("thread").inc()
+        return await self._off_loop(
+            verify_and_sign, req, self._verifiers, governing, ca, spiffe, serial, now
+        )
 
     def _offer_nonce(self, issued: Issued, now: datetime) -> Issued:
         """Hand out the nonce for this workload's next attestation with its certificate (one
@@ -1187,19 +1222,3 @@ class _Place:
 
 def _serial_of(issuer: Issuer | None) -> str:
     return "-" if issuer is None else format(issuer.cert.serial_number, "x")
-
-
-def _verify_and_sign(
-    req: AttestRequest,
-    verifiers: Mapping[Tee, Verifier],
-    governing: Sequence[AttestationPolicy],
-    ca: CertificateAuthority,
-    spiffe_id: str,
-    serials: Callable[[], int],
-    now: datetime,
-) -> tuple[Admission, Leaf]:
-    """The CPU-bound part of an attestation (runs on a worker thread, with the serial number's
-    randomness): verify -> bind -> appraise, and only the ``Admission`` that comes out reaches
-    the CA."""
-    admission = decide(verify_request(req, verifiers, now), governing, now)
-    return admission, issue(admission, ca, spiffe_id=spiffe_id, serial=serials(), now=now)

@@ -1,4 +1,6 @@
-"""Worker threads for the event loop's blocking calls (verification, signing, CRLs).
+"""Workers for the event loop's CPU-bound calls: threads (``WorkerThreads``: CRLs, and
+verification and signing when no worker process can take them) and worker processes
+(``WorkerProcesses``: attestations' verification and signing, ``certs.offload``).
 
 ``WorkerThreads.run(fn, *args)`` puts the call on a ``queue.SimpleQueue`` (one C call that never
 waits for a worker) and returns an asyncio future; a worker resolves it with one
@@ -17,12 +19,23 @@ time keeps one warm thread. They end when the ``WorkerThreads`` is collected or 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process
+import pickle
 import queue
+import socket
+import struct
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from certs import offload
+from certs.ca import Leaf
+from certs.policy import Admitted
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -112,4 +125,220 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
-__all__ = ["WorkerThreads"]
+class OffloadUnavailable(Exception):
+    """No worker process took the job, or its process died with it: the caller runs it itself.
+    Never a verdict on the attestation."""
+
+
+_HEADER = struct.Struct("!i")  # multiprocessing.connection's frame: a signed 32-bit length
+_MAX_ANSWER = 1 << 24  # a leaf and its claims are a few KB
+
+
+class _Worker(asyncio.Protocol):
+    """The control plane's end of one worker process's pipe, on the event loop: a job is one
+    frame written (the transport buffers, the loop never waits for the worker), its answer
+    one frame read; a worker answers in order, so the futures wait in a queue."""
+
+    def __init__(self, pool: WorkerProcesses, process: multiprocessing.process.BaseProcess) -> None:
+        self.pool, self.process = pool, process
+        self.transport: asyncio.Transport | None = None
+        self.ready = False
+        self.waiting: collections.deque[asyncio.Future[tuple[Admitted, Leaf]]] = collections.deque()
+        self._buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def submit(self, frame: bytes) -> asyncio.Future[tuple[Admitted, Leaf]]:
+        assert self.transport is not None
+        fut: asyncio.Future[tuple[Admitted, Leaf]] = asyncio.get_running_loop().create_future()
+        self.transport.write(_HEADER.pack(len(frame)) + frame)
+        self.waiting.append(fut)
+        return fut
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        while len(buf) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buf)
+            if not 0 <= size <= _MAX_ANSWER:
+                self._fail(f"a frame of {size} bytes")
+                return
+            if len(buf) < _HEADER.size + size:
+                return
+            frame = bytes(buf[_HEADER.size : _HEADER.size + size])
+            del buf[: _HEADER.size + size]
+            self._answer(frame)
+
+    def _answer(self, frame: bytes) -> None:
+        if not self.ready:
+            if frame != offload.READY:
+                self._fail("no READY")
+                return
+            self.ready = True
+            self.pool._worker_ready(self)
+            return
+        if not self.waiting:
+            self._fail("an answer to no job")
+            return
+        fut = self.waiting.popleft()
+        try:
+            kind, value = pickle.loads(frame)  # noqa: S301 (our own child, over our own pipe)
+        except Exception as exc:
+            self._fail(f"an answer that does not unpickle: {exc!r}")
+            return
+        if fut.done():  # (cancelled: the caller went away)
+            return
+        if kind == "ok":
+            admitted, leaf = value
+            fut.set_result((offload.received(admitted), leaf))
+        elif isinstance(value, BaseException):
+            fut.set_exception(value)
+        else:
+            fut.set_exception(RuntimeError(f"worker answered {kind!r}"))
+
+    def _fail(self, why: str) -> None:
+        log.error("attestation worker process %s: %s", self.process.pid, why)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(OffloadUnavailable("the worker process ended"))
+        self.pool._worker_lost(self)
+
+
+class WorkerProcesses:
+    """Attestations' verification and signing in ``count`` worker processes
+    (``certs.offload.serve``), so that the control plane's process keeps its one GIL for the
+    event loop (HTTP, ADS, persistence): verification and signing on threads beside it cost
+    the loop its turn again and again.
+
+    The processes fork from a fresh, single-threaded fork server that has imported only
+    ``certs.offload`` (never from this process, whose threads may hold locks), and build their
+    verifiers from ``recipe``. Each talks to the event loop over a socket pair: a job is written
+    without waiting, its answer read when it comes; no thread of this process takes part.
+    ``start`` starts them on a thread (it waits for the fork server); until a process has said
+    it is ready, and when none is, ``run`` raises ``OffloadUnavailable`` and the caller
+    verifies on its threads. A process that dies (a crash in a parser stays in it) fails its
+    jobs with ``OffloadUnavailable`` (the caller runs them) and is replaced."""
+
+    RESTART_DELAY = 1.0  # seconds before a dead worker's replacement starts
+
+    def __init__(self, count: int, recipe: offload.VerifierRecipe) -> None:
+        if count < 1:
+            raise ValueError("at least one worker process")
+        self.count = count
+        self._recipe = recipe
+        self._workers: list[_Worker] = []  # connected (ready or not yet)
+        self._ready: list[_Worker] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.restarts = 0
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._ready)
+
+    def start(self, count: int | None = None) -> None:
+        """Start ``count`` (default: all) processes, on a thread; call on the event loop."""
+        if self._closed:
+            return
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(
+            target=self._spawn, args=(count or self.count,), name="attest-procs", daemon=True
+        ).start()
+
+    def _spawn(self, count: int) -> None:
+        loop = self._loop
+        assert loop is not None
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["certs.offload"])
+        for _ in range(count):
+            ours, theirs = socket.socketpair()
+            try:
+                child = multiprocessing.connection.Connection(theirs.detach())
+                process = ctx.Process(
+                    target=offload.serve, args=(child, self._recipe), name="attest-worker",
+                    daemon=True,
+                )  # fmt: skip
+                process.start()
+                child.close()  # (the child holds its own copy: our end sees EOF if it dies)
+            except Exception as exc:
+                ours.close()
+                log.warning("an attestation worker process did not start: %s", exc)
+                return
+            try:
+                loop.call_soon_threadsafe(self._connect, process, ours)
+            except RuntimeError:  # the loop closed meanwhile
+                ours.close()
+                process.kill()
+                return
+
+    def _connect(self, process: multiprocessing.process.BaseProcess, sock: socket.socket) -> None:
+        if self._closed:
+            sock.close()
+            process.kill()
+            return
+        worker = _Worker(self, process)
+        self._workers.append(worker)
+        task = asyncio.ensure_future(
+            asyncio.get_running_loop().connect_accepted_socket(lambda: worker, sock)
+        )
+        task.add_done_callback(_log_failure)
+
+    def _worker_ready(self, worker: _Worker) -> None:
+        self._ready.append(worker)
+        log.info("attestation worker process %s ready", worker.process.pid)
+
+    def _worker_lost(self, worker: _Worker) -> None:
+        for group in (self._workers, self._ready):
+            if worker in group:
+                group.remove(worker)
+        worker.process.join(0)  # (reaped if it has exited: no zombie)
+        if self._closed:
+            return
+        self.restarts += 1
+        log.error(
+            "attestation worker process %s ended (exit code %s): starting another",
+            worker.process.pid,
+            worker.process.exitcode,
+        )
+        assert self._loop is not None
+        self._loop.call_later(self.RESTART_DELAY, self.start, 1)
+
+    async def run(self, job: offload.Job) -> tuple[Admitted, Leaf]:
+        """``certs.offload.run_job(job)`` in a worker process: its result, or the refusal it
+        raised; ``OffloadUnavailable`` if no process could run it."""
+        if not self._ready:
+            raise OffloadUnavailable("no worker process ready")
+        worker = min(self._ready, key=lambda w: len(w.waiting))
+        return await worker.submit(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+
+    async def aclose(self) -> None:
+        """Stop every process: each sees its pipe close and exits (killed after 5 s)."""
+        self._closed = True
+        workers, self._workers, self._ready = self._workers, [], []
+        for worker in workers:
+            if worker.transport is not None:
+                worker.transport.close()
+        await asyncio.to_thread(_reap, [w.process for w in workers])
+
+
+def _reap(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    for process in processes:
+        process.join(5)
+        if process.exitcode is None:
+            process.kill()
+            process.join(5)
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("attestation worker process: %s", task.exception())
+
+
+__all__ = ["OffloadUnavailable", "WorkerProcesses", "WorkerThreads"]

@@ -33,6 +33,7 @@ prepared slot is the evidence) and never pairs a key with another intermediate's
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -100,6 +101,22 @@ def _check_intermediate(
         )
 
 
+@dataclass(frozen=True, slots=True, repr=False)
+class SigningMaterial:
+    """A CA's signing intermediate as bytes, for a worker process that signs leaves
+    (``CertificateAuthority.signing_material`` / ``signing_only``); ``ident`` is the SHA-256 of
+    the intermediate's DER, by which a worker keeps what it parsed. Never logged or stored."""
+
+    ident: bytes
+    root_der: bytes
+    cert_der: bytes
+    key_der: bytes  # PKCS#8, unencrypted: handed only to this process's own workers
+    trust_domain: str
+
+    def __repr__(self) -> str:
+        return f"SigningMaterial({self.ident.hex()[:16]})"
+
+
 @dataclass(frozen=True, slots=True)
 class CertificateAuthority:
     """The mesh CA. ``intermediate`` signs; ``prepared`` (the next slot) will sign after the
@@ -160,6 +177,44 @@ class CertificateAuthority:
         return b"".join(
             certificate_pem(sign_crl(issuer, entries, now, next_update), b"X509 CRL")
             for issuer in self.issuers
+        )
+
+    # -- signing elsewhere: a worker process's copy -----------------------------------------------
+    def signing_material(self) -> SigningMaterial | None:
+        """What another process needs to sign leaves as this CA's signing intermediate, as
+        bytes (None: its key cannot leave its token; such a CA signs in this process only)."""
+        issuer = self.intermediate
+        try:
+            key_der = issuer.key.private_bytes(
+                serialization.Encoding.DER,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        except (TypeError, ValueError, NotImplementedError, AttestmeshError):
+            return None  # (a PKCS#11 key refuses to be written out)
+        cert_der = issuer.cert.public_bytes(serialization.Encoding.DER)
+        return SigningMaterial(
+            ident=hashlib.sha256(cert_der).digest(),
+            root_der=self.root.public_bytes(serialization.Encoding.DER),
+            cert_der=cert_der,
+            key_der=key_der,
+            trust_domain=self.trust_domain,
+        )
+
+    @classmethod
+    def signing_only(cls, material: SigningMaterial) -> CertificateAuthority:
+        """A CA that can sign leaves as ``material``'s intermediate and nothing else (no
+        directory, no rotation, no previous or prepared intermediate)."""
+        key = serialization.load_der_private_key(material.key_der, password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise AttestmeshError("ca_key_invalid", "signing material holds no EC private key")
+        cert = x509.load_der_x509_certificate(material.cert_der)
+        if cert.public_key() != key.public_key():
+            raise AttestmeshError("ca_key_invalid", "signing material: key and certificate differ")
+        return cls(
+            root=x509.load_der_x509_certificate(material.root_der),
+            intermediate=Issuer(cert, key),
+            trust_domain=material.trust_domain,
         )
 
     # -- rotation: pure predicates --------------------------------------------------------------

@@ -10,7 +10,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -37,9 +37,10 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 class ControlPlaneProcess:
-    def __init__(self, s: ControlPlaneSettings, log: Path) -> None:
+    def __init__(self, s: ControlPlaneSettings, log: Path, extra: Sequence[str] = ()) -> None:
         self.s = s
         self.log = log
+        self.extra = tuple(extra)  # more flags
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def start(self) -> None:
@@ -50,6 +51,7 @@ class ControlPlaneProcess:
             "--mesh-policy", str(s.mesh_policy_file), "--workloads", str(s.registrations_file),
             "--api-port", str(s.api_port), "--xds-port", str(s.xds_port),
             "--ops-port", str(s.ops_port), "--sim-platform-key", str(s.sim_platform_keys[0]),
+            *self.extra,
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL)

@@ -1,0 +1,222 @@
+"""attestmesh.controlplane.workers.WorkerProcesses: attestations verified and signed in real
+worker processes (forked from the fork server), answered on the event loop; a dead worker's
+jobs fall back to the caller and the worker is replaced; the control plane uses them when
+they are ready and its threads otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.controlplane.workers import OffloadUnavailable, WorkerProcesses
+from certs import offload
+from certs.binding import expected_report_data
+from certs.ca import CertificateAuthority
+from certs.evidence.claims import Claims, Collateral, Tee, Verifier
+from certs.evidence.sim import SimVerifier, build_report
+from certs.issuance import AttestRequest, EvidenceRejected
+from certs.policy import parse_policies
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    NOW,
+    OTHER_MEASUREMENT,
+    TRUST_DOMAIN,
+    Clock,
+    csr_pem,
+    make_control_plane,
+    new_key,
+    policy_doc,
+    registration,
+    spki,
+)
+from xds.state import Status
+
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+PLATFORM_PEM = PLATFORM.public_key().public_bytes(
+    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+)
+RECIPE = offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
+POLICIES = tuple(parse_policies([policy_doc()]))
+SPIFFE = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/web"
+NONCE = bytes(range(32))
+
+
+class _SlowSim:
+    """A sim verifier that takes ``seconds`` (a job still running when its worker is killed)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.inner = SimVerifier([PLATFORM.public_key()])
+        self.seconds = seconds
+
+    @property
+    def tee(self) -> Tee:
+        return Tee.SIM
+
+    def verify(self, evidence: bytes, *, now: datetime, collateral: Collateral) -> Claims:
+        time.sleep(self.seconds)
+        return self.inner.verify(evidence, now=now, collateral=collateral)
+
+
+def slow_verifiers(seconds: float) -> Mapping[Tee, Verifier]:
+    """A recipe's builder (module level: the worker imports it by name)."""
+    return {Tee.SIM: _SlowSim(seconds)}
+
+
+def _request(
+    measurement: bytes = MEASUREMENT, key: Any = None, nonce: bytes = NONCE, name: str = "web-1"
+) -> AttestRequest:
+    key = key or new_key()
+    evidence = build_report(
+        PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=measurement
+    )
+    return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
+
+
+def _attest(cp: Any, measurement: bytes = MEASUREMENT) -> Any:
+    """``cp.attest`` of web-1 with fresh sim evidence bound to a challenge's nonce."""
+    nonce, _ = cp.challenge()
+    return cp.attest(_request(measurement, nonce=nonce), None)
+
+
+async def _until(cond: Callable[[], bool], within: float = 60.0) -> None:
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> CertificateAuthority:
+    return CertificateAuthority.load_or_create(
+        tmp_path / "ca", TRUST_DOMAIN, datetime.now(UTC) - timedelta(days=1)
+    )
+
+
+@pytest.fixture
+async def procs() -> AsyncIterator[WorkerProcesses]:
+    pool = WorkerProcesses(2, RECIPE)
+    pool.RESTART_DELAY = 0.05
+    pool.start()
+    await _until(lambda: len(pool._ready) == 2)
+    yield pool
+    await pool.aclose()
+
+
+def _job(ca: CertificateAuthority, req: AttestRequest, serial: int = 5) -> offload.Job:
+    material = ca.signing_material()
+    assert material is not None
+    return offload.Job(req, POLICIES, material, SPIFFE, serial, datetime.now(UTC))
+
+
+async def test_jobs_run_in_other_processes_and_answer_on_the_loop(
+    procs: WorkerProcesses, ca: CertificateAuthority
+) -> None:
+    pids = {w.process.pid for w in procs._ready}
+    assert os.getpid() not in pids and len(pids) == 2
+    keys = [new_key() for _ in range(20)]
+    answers = await asyncio.gather(
+        *(procs.run(_job(ca, _request(key=k), serial=100 + i)) for i, k in enumerate(keys))
+    )
+    for i, (key, (admitted, leaf)) in enumerate(zip(keys, answers, strict=True)):
+        cert = x509.load_der_x509_certificate(leaf.der)
+        cert.verify_directly_issued_by(ca.intermediate.cert)
+        assert cert.public_key() == key.public_key() and leaf.serial == 100 + i
+        assert admitted.claims.measurements == {"measurement": MEASUREMENT.hex()}
+        assert admitted.policy == POLICIES[0].name
+    assert all(not w.waiting for w in procs._ready)  # every answer was taken
+
+
+async def test_a_refusal_is_raised_as_the_worker_raised_it(
+    procs: WorkerProcesses, ca: CertificateAuthority
+) -> None:
+    with pytest.raises(EvidenceRejected) as info:
+        await procs.run(_job(ca, _request(OTHER_MEASUREMENT)))
+    assert info.value.appraisal and info.value.tee == "sim"
+    tampered = _request()
+    bad = AttestRequest(
+        tampered.workload, "sim", tampered.evidence[:-1] + b"\x00", tampered.csr_pem, NONCE
+    )
+    with pytest.raises(EvidenceRejected) as info:
+        await procs.run(_job(ca, bad))
+    assert not info.value.appraisal
+    assert len(procs._ready) == 2 and procs.restarts == 0  # a refusal harms no worker
+
+
+async def test_a_killed_worker_fails_its_jobs_to_the_caller_and_is_replaced(
+    ca: CertificateAuthority,
+) -> None:
+    pool = WorkerProcesses(1, offload.VerifierRecipe(slow_verifiers, (30.0,)))
+    pool.RESTART_DELAY = 0.05
+    pool.start()
+    try:
+        await _until(lambda: pool.ready)
+        (worker,) = pool._ready
+        running = asyncio.ensure_future(pool.run(_job(ca, _request())))
+        await _until(lambda: bool(worker.waiting))
+        await asyncio.sleep(0.2)  # it is verifying (for 30 s)
+        os.kill(worker.process.pid or 0, signal.SIGKILL)
+        with pytest.raises(OffloadUnavailable):
+            await asyncio.wait_for(running, 10)
+        assert worker not in pool._ready
+        await _until(lambda: pool.ready)  # a new process took its place
+        assert pool.restarts == 1 and pool._ready[0].process.pid != worker.process.pid
+        assert worker.process.exitcode == -signal.SIGKILL  # reaped
+    finally:
+        await pool.aclose()
+
+
+async def test_aclose_ends_every_process(ca: CertificateAuthority) -> None:
+    pool = WorkerProcesses(2, RECIPE)
+    pool.start()
+    await _until(lambda: len(pool._ready) == 2)
+    processes = [w.process for w in pool._ready]
+    await pool.aclose()
+    assert all(p.exitcode == 0 for p in processes)  # each saw its pipe close and returned
+    with pytest.raises(OffloadUnavailable):
+        await pool.run(_job(ca, _request()))
+
+
+async def test_the_control_plane_signs_in_a_worker_when_one_is_ready(
+    tmp_path: Path, procs: WorkerProcesses
+) -> None:
+    plane = make_control_plane(
+        tmp_path, clock=Clock(NOW), platform_key=PLATFORM, registrations=[registration()]
+    )
+    cp = plane.cp
+    cp._procs = procs  # (what serve passes: processes=...)
+    issued = await _attest(cp)
+    cert = x509.load_pem_x509_certificate(issued.chain_pem)
+    cert.verify_directly_issued_by(plane.ca.intermediate.cert)
+    assert plane.sample("attestmesh_attest_crypto_total", where="process") == 1
+    assert plane.sample("attestmesh_attest_crypto_total", where="thread") == 0
+    # a refusal decided in the worker quarantines as one decided here does
+    with pytest.raises(EvidenceRejected):
+        await _attest(cp, OTHER_MEASUREMENT)
+    assert cp.status_of("web-1") is Status.QUARANTINED
+    assert plane.sample("attestmesh_attest_crypto_total", where="process") == 2
+
+
+async def test_the_control_plane_uses_its_threads_until_a_worker_is_ready(
+    tmp_path: Path,
+) -> None:
+    plane = make_control_plane(
+        tmp_path, clock=Clock(NOW), platform_key=PLATFORM, registrations=[registration()]
+    )
+    plane.cp._procs = pool = WorkerProcesses(1, RECIPE)  # never started
+    with pytest.raises(OffloadUnavailable):
+        await pool.run(_job(plane.ca, _request()))
+    issued = await _attest(plane.cp)
+    assert issued.serial
+    assert plane.sample("attestmesh_attest_crypto_total", where="thread") == 1
+    assert plane.sample("attestmesh_attest_crypto_total", where="process") == 0

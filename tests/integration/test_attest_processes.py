@@ -1,0 +1,134 @@
+"""The real ``attestmesh controlplane`` verifies and signs in its worker processes: agents get
+certificates through them, a killed worker costs no attestation and is replaced, and no
+process outlives the control plane (stopped or killed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestmesh.demo import GOOD, NAMES, free_port, join_token, write_config
+from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
+from sidecar.sds import LocalSds
+from tests.integration.test_restart import ControlPlaneProcess
+
+pytestmark = pytest.mark.integration
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+async def _metric(session: aiohttp.ClientSession, port: int, name: str) -> float:
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+def _workers(pid: int) -> set[int]:
+    """The control plane's worker processes: the children of its fork server."""
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"forkserver" in cmdline and _children(child):
+            return _children(child)
+    return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+async def test_the_control_plane_attests_through_its_worker_processes(
+    tmp_path: Path, stop: str
+) -> None:
+    platform = ec.generate_private_key(ec.SECP256R1())
+    pub = tmp_path / "sim.pub.pem"
+    pub.write_bytes(
+        platform.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
+    tokens = {n: join_token(n) for n in NAMES}
+    settings = write_config(tmp_path, ports, pub, tokens)
+    cp = ControlPlaneProcess(settings, tmp_path / "cp.log", ["--attest-processes", "2"])
+    await cp.start()
+    assert cp.proc is not None
+    try:
+        tls = client_ssl_context((settings.state_dir / "ca" / "root.pem").read_bytes())
+        agent = Agent(
+            url=f"https://127.0.0.1:{settings.api_port}", workload=NAMES[0],
+            source=SimEvidenceSource(platform, GOOD), sink=LocalSds(), ssl_context=tls,
+            token=lambda: tokens[NAMES[0]],
+        )  # fmt: skip
+        ops = settings.ops_port
+        async with aiohttp.ClientSession() as session:
+            async with asyncio.timeout(30):  # the workers start once the control plane serves
+                while await _metric(session, ops, "attestmesh_attest_worker_processes") < 2:
+                    await asyncio.sleep(0.05)
+            cert = await agent.attest_once(session)
+            assert cert.serial
+            assert (
+                await _metric(session, ops, 'attestmesh_attest_crypto_total{where="process"}') == 1
+            )
+            assert (
+                await _metric(session, ops, 'attestmesh_attest_crypto_total{where="thread"}') == 0
+            )
+            workers = _workers(cp.proc.pid)
+            assert len(workers) == 2, _children(cp.proc.pid)
+            victim = max(workers)
+            os.kill(victim, signal.SIGKILL)
+            for _ in range(4):  # no attestation is lost to it
+                assert (await agent.attest_once(session)).serial
+            async with asyncio.timeout(30):  # and it is replaced
+                while not (
+                    await _metric(session, ops, "attestmesh_attest_worker_processes") == 2
+                    and len(_workers(cp.proc.pid) - {victim}) == 2
+                ):
+                    await asyncio.sleep(0.05)
+        family = _children(cp.proc.pid)
+        if stop == "sigterm":
+            cp.proc.send_signal(signal.SIGTERM)
+            assert cp.proc.wait(30) == 0, cp.log.read_text()
+        else:
+            cp.kill()
+        async with asyncio.timeout(15):  # no process outlives it
+            while any(_alive(p) for p in family):
+                await asyncio.sleep(0.05)
+    finally:
+        cp.kill()

@@ -1,0 +1,219 @@
+"""certs.offload and what a job carries between processes: errors pickle as themselves, the
+CA's signing intermediate as bytes, a job run as a worker runs it equals the call on a thread."""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from certs import offload
+from certs.binding import expected_report_data
+from certs.ca import CertificateAuthority, SigningMaterial
+from certs.csr import CsrError
+from certs.errors import AttestmeshError, EvidenceFormatError, PolicyError
+from certs.evidence.claims import Tee
+from certs.evidence.sim import SimVerifier, build_report
+from certs.issuance import AttestRequest, EvidenceRejected
+from certs.keystore import KeyStoreError, Pkcs11PrivateKey
+from certs.nonces import NonceError
+from certs.policy import parse_policies
+from tests.unit.fixtures_core import (
+    MEASUREMENT,
+    NOW,
+    OTHER_MEASUREMENT,
+    TRUST_DOMAIN,
+    csr_pem,
+    new_key,
+    policy_doc,
+    spki,
+)
+
+PLATFORM = ec.generate_private_key(ec.SECP256R1())
+PLATFORM_PEM = PLATFORM.public_key().public_bytes(
+    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+)
+POLICIES = tuple(parse_policies([policy_doc()]))
+SPIFFE = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/web"
+NONCE = bytes(range(32))
+
+
+def _across(value: Any) -> Any:
+    """``value`` as another process gets it."""
+    return pickle.loads(pickle.dumps(value))  # noqa: S301
+
+
+def _request(measurement: bytes = MEASUREMENT, key: Any = None) -> AttestRequest:
+    key = key or new_key()
+    evidence = build_report(
+        PLATFORM, report_data=expected_report_data(NONCE, spki(key)), measurement=measurement
+    )
+    return AttestRequest("web-1", "sim", evidence, csr_pem(key), NONCE)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> CertificateAuthority:
+    return CertificateAuthority.load_or_create(
+        tmp_path_factory.mktemp("ca") / "ca", TRUST_DOMAIN, NOW - timedelta(days=1)
+    )
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        AttestmeshError("nonce_expired", "too late"),
+        EvidenceRejected(
+            "measurement_mismatch", "no match", "sim", ("a: b", "c: d"), appraisal=True
+        ),
+        EvidenceRejected("signature_invalid", "bad", "sim"),
+        PolicyError(["one problem", "another"]),
+        CsrError("csr_malformed", "not PEM"),
+        NonceError("nonce_unknown", "forged"),
+        EvidenceFormatError("truncated", "3 bytes"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_errors_pickle_as_themselves(exc: AttestmeshError) -> None:
+    """Exception's own pickling calls cls(*args): EvidenceRejected could not be rebuilt at all
+    and the rest came back with the whole message as their reason."""
+    back = _across(exc)
+    assert type(back) is type(exc)
+    assert back.args == exc.args and str(back) == str(exc)
+    assert back.__dict__ == exc.__dict__
+    assert back.reason == exc.reason and back.detail == exc.detail
+
+
+def test_signing_material_signs_as_the_ca(ca: CertificateAuthority) -> None:
+    material = ca.signing_material()
+    assert material is not None
+    assert repr(material) == f"SigningMaterial({material.ident.hex()[:16]})"  # no key in logs
+    copy = CertificateAuthority.signing_only(_across(material))
+    assert copy.intermediate.cert == ca.intermediate.cert and copy.root == ca.root
+    assert copy.bundle_pem == ca.bundle_pem and copy.intermediate.pem == ca.intermediate.pem
+    data = b"to be signed"
+    sig = copy.intermediate.key.sign(data, ec.ECDSA(hashes.SHA256()))
+    public = ca.intermediate.cert.public_key()
+    assert isinstance(public, ec.EllipticCurvePublicKey)
+    public.verify(sig, data, ec.ECDSA(hashes.SHA256()))
+
+
+def test_signing_material_of_a_mismatched_key_is_refused(ca: CertificateAuthority) -> None:
+    material = ca.signing_material()
+    assert material is not None
+    other = new_key().private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    forged = SigningMaterial(
+        material.ident, material.root_der, material.cert_der, other, material.trust_domain
+    )
+    with pytest.raises(AttestmeshError, match="key and certificate differ"):
+        CertificateAuthority.signing_only(forged)
+
+
+def test_a_token_key_yields_no_signing_material(ca: CertificateAuthority) -> None:
+    """A PKCS#11 key refuses to be written out: that CA signs in the control plane's process."""
+    token_key = Pkcs11PrivateKey.__new__(Pkcs11PrivateKey)
+    with pytest.raises(KeyStoreError):
+        token_key.private_bytes(
+            serialization.Encoding.DER,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    in_token = CertificateAuthority(
+        root=ca.root,
+        intermediate=type(ca.intermediate).__new__(type(ca.intermediate)),
+        trust_domain=ca.trust_domain,
+    )
+    object.__setattr__(in_token.intermediate, "cert", ca.intermediate.cert)
+    object.__setattr__(in_token.intermediate, "key", token_key)
+    assert in_token.signing_material() is None
+
+
+def test_a_job_run_as_a_worker_runs_it_equals_the_call_on_a_thread(
+    ca: CertificateAuthority,
+) -> None:
+    offload.init_worker(
+        offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
+    )
+    material = ca.signing_material()
+    assert material is not None
+    key = new_key()
+    req = _request(key=key)
+    job = offload.Job(req, POLICIES, material, SPIFFE, 0x1234, NOW)
+    admitted, leaf = _across(offload.run_job(_across(job)))
+    admitted = offload.received(admitted)
+    here_admitted, here_leaf = offload.verify_and_sign(
+        req, {Tee.SIM: SimVerifier([PLATFORM.public_key()])}, POLICIES, ca, SPIFFE, 0x1234, NOW
+    )
+    assert admitted == here_admitted
+    assert isinstance(admitted.claims.measurements, MappingProxyType)  # read-only again
+    cert = x509.load_der_x509_certificate(leaf.der)
+    cert.verify_directly_issued_by(ca.intermediate.cert)
+    assert cert.public_key() == key.public_key() and leaf.serial == 0x1234 == cert.serial_number
+    assert leaf.chain_pem.endswith(ca.intermediate.pem)
+    assert (leaf.not_after, leaf.serial) == (here_leaf.not_after, here_leaf.serial)
+    # the worker keeps what it parsed, by the intermediate's identity
+    assert list(offload._cas) == [material.ident]
+
+
+def test_a_refusal_in_a_job_is_raised_as_on_a_thread(ca: CertificateAuthority) -> None:
+    offload.init_worker(
+        offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
+    )
+    material = ca.signing_material()
+    assert material is not None
+    job = offload.Job(_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 1, NOW)
+    with pytest.raises(EvidenceRejected) as info:
+        offload.run_job(job)
+    back = _across(info.value)
+    assert back.appraisal and back.reason == info.value.reason and back.tee == "sim"
+
+
+def test_without_sim_keys_sim_evidence_is_refused(ca: CertificateAuthority) -> None:
+    """The recipe builds what the control plane has: no sim verifier unless keys are given."""
+    offload.init_worker(offload.VerifierRecipe(offload.configured_verifiers, (None, ())))
+    material = ca.signing_material()
+    assert material is not None
+    with pytest.raises(EvidenceRejected) as info:
+        offload.run_job(offload.Job(_request(), POLICIES, material, SPIFFE, 1, NOW))
+    assert info.value.reason == "tee_not_supported"
+
+
+class _Pipe:
+    """A worker's connection, in memory: jobs in, answers out."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames, self.sent = list(frames), list[bytes]()
+
+    def recv_bytes(self) -> bytes:
+        if not self.frames:
+            raise EOFError
+        return self.frames.pop(0)
+
+    def send_bytes(self, buf: bytes) -> None:
+        self.sent.append(buf)
+
+
+def test_serve_answers_each_job_in_order_and_ends_with_its_pipe(
+    ca: CertificateAuthority,
+) -> None:
+    material = ca.signing_material()
+    assert material is not None
+    good = offload.Job(_request(), POLICIES, material, SPIFFE, 7, NOW)
+    bad = offload.Job(_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 8, NOW)
+    pipe = _Pipe([pickle.dumps(good), pickle.dumps(bad), b"not a pickle"])
+    offload.serve(
+        pipe, offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
+    )
+    assert pipe.sent[0] == offload.READY
+    answers = [pickle.loads(b) for b in pipe.sent[1:]]  # noqa: S301
+    assert [a[0] for a in answers] == ["ok", "error", "error"]
+    assert answers[0][1][1].serial == 7
+    assert isinstance(answers[1][1], EvidenceRejected) and answers[1][1].appraisal
+    assert isinstance(answers[2][1], pickle.UnpicklingError)
