@@ -136,6 +136,8 @@ def _controlplane(args: argparse.Namespace) -> int:
         listen = limits_from_args(args)
     except ValueError as exc:
         raise AttestmeshError("usage", str(exc)) from None
+    if args.attest_processes is not None and not 0 <= args.attest_processes <= 64:
+        raise AttestmeshError("usage", "--attest-processes must be between 0 and 64")
     settings = ControlPlaneSettings(
         listen=listen,
         state_dir=args.state_dir,

@@ -356,10 +356,27 @@ async def _rotate_server_cert(
             wait = timedelta(minutes=1)
 
 
-def default_attest_processes() -> int:
-    """One worker process per core but the one the event loop needs, at most 4 (the control
-    plane's process still parses, answers and persists every attestation)."""
-    return max(0, min(4, (os.cpu_count() or 1) - 1))
+def default_attest_processes(cpus: float | None = None) -> int:
+    """One worker process per core this process may use but the one the event loop needs, at
+    most 4 (the control plane's process still parses, answers and persists every attestation);
+    none on one core."""
+    return max(0, min(4, int(available_cpus() if cpus is None else cpus) - 1))
+
+
+def available_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (a
+    container's limit; ``os.cpu_count`` sees the whole node)."""
+    cores = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    try:
+        return max(1.0, min(cores, int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return cores
 
 
 def build_collateral_sources(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 import signal
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -99,6 +100,21 @@ class Connection(Protocol):
 READY = b"ready"
 
 
+def main(argv: Sequence[str]) -> int:
+    """``python -m certs.offload FD``: a worker process on the socket inherited as ``FD``. Its
+    first frame is ``(sys.path, VerifierRecipe)``, pickled by the control plane."""
+    from multiprocessing.connection import Connection as Pipe
+
+    conn = Pipe(int(argv[1]))
+    try:
+        path, recipe = pickle.loads(conn.recv_bytes())  # noqa: S301 (our parent, our socket)
+    except (EOFError, OSError):
+        return 1
+    sys.path[:] = path
+    serve(conn, recipe)
+    return 0
+
+
 def serve(conn: Connection, recipe: VerifierRecipe) -> None:
     """A worker process's life: build the verifiers, say ``READY``, then answer each job (a
     pickled ``Job``) in order with a pickled ``("ok", (Admitted, Leaf))`` or ``("error",
@@ -165,8 +181,15 @@ __all__ = [
     "VerifierRecipe",
     "configured_verifiers",
     "init_worker",
+    "main",
     "received",
     "run_job",
     "serve",
     "verify_and_sign",
 ]
+
+
+if __name__ == "__main__":  # (as a module of its own name: one copy of its state)
+    from certs.offload import main as _main
+
+    sys.exit(_main(sys.argv))

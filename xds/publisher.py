@@ -44,7 +44,7 @@ from xds.cache import SnapshotCache
 from xds.index import Identity, MeshIndex, affected_by, changed_names, principal_of
 from xds.meshpolicy import MeshPolicy, destinations_by_source
 from xds.resources import INBOUND_ROUTE, MESH_TRUST, TypeUrl, outbound_name
-from xds.state import Event, MeshState, Registration, ServiceKey, Status, resolve_service
+from xds.state import Event, EventKind, MeshState, Registration, ServiceKey, Status, resolve_service
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +467,12 @@ class XdsPublisher:
 
     def on_events(self, state: MeshState, events: Sequence[Event]) -> None:
         for e in events:
-            log.info("event %s %s %s", e.kind, e.workload, e.reason)
+            # an attestation is routine (about 2 an hour per workload: at 10,000 workloads
+            # several a second; every event is kept in the store and served by the ops API):
+            # logged at DEBUG; every other transition at INFO
+            level = logging.DEBUG if e.kind is EventKind.ATTESTED else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, "event %s %s %s", e.kind, e.workload, e.reason)
 
 
 __all__ = ["XdsPublisher"]

@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.process
 import pickle
 import queue
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -139,7 +138,7 @@ class _Worker(asyncio.Protocol):
     frame written (the transport buffers, the loop never waits for the worker), its answer
     one frame read; a worker answers in order, so the futures wait in a queue."""
 
-    def __init__(self, pool: WorkerProcesses, process: multiprocessing.process.BaseProcess) -> None:
+    def __init__(self, pool: WorkerProcesses, process: subprocess.Popen[bytes]) -> None:
         self.pool, self.process = pool, process
         self.transport: asyncio.Transport | None = None
         self.ready = False
@@ -217,14 +216,15 @@ class WorkerProcesses:
     event loop (HTTP, ADS, persistence): verification and signing on threads beside it cost
     the loop its turn again and again.
 
-    The processes fork from a fresh, single-threaded fork server that has imported only
-    ``certs.offload`` (never from this process, whose threads may hold locks), and build their
-    verifiers from ``recipe``. Each talks to the event loop over a socket pair: a job is written
-    without waiting, its answer read when it comes; no thread of this process takes part.
-    ``start`` starts them on a thread (it waits for the fork server); until a process has said
-    it is ready, and when none is, ``run`` raises ``OffloadUnavailable`` and the caller
-    verifies on its threads. A process that dies (a crash in a parser stays in it) fails its
-    jobs with ``OffloadUnavailable`` (the caller runs them) and is replaced."""
+    Each process is a fresh interpreter (``python -m certs.offload``: it imports that module
+    and what it needs, nothing of this process's; never a fork of a process whose threads may
+    hold locks) that builds its verifiers from ``recipe``, and talks to the event loop over a
+    socket pair: a job is written without waiting, its answer read when it comes; no thread of
+    this process takes part. ``start`` starts them on a thread (an interpreter takes a moment
+    to start); until a process has said it is ready, and when none is, ``run`` raises
+    ``OffloadUnavailable`` and the caller verifies on its threads. A process that dies (a
+    crash in a parser stays in it) fails its jobs with ``OffloadUnavailable`` (the caller runs
+    them) and is replaced; each ends when its socket closes (this process stopped or died)."""
 
     RESTART_DELAY = 1.0  # seconds before a dead worker's replacement starts
 
@@ -255,18 +255,18 @@ class WorkerProcesses:
     def _spawn(self, count: int) -> None:
         loop = self._loop
         assert loop is not None
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["certs.offload"])
+        # the first frame a worker reads: where to import from (as this process does: a
+        # recipe's function may live outside the installed packages), and the recipe
+        hello = pickle.dumps((list(sys.path), self._recipe), protocol=pickle.HIGHEST_PROTOCOL)
         for _ in range(count):
             ours, theirs = socket.socketpair()
             try:
-                child = multiprocessing.connection.Connection(theirs.detach())
-                process = ctx.Process(
-                    target=offload.serve, args=(child, self._recipe), name="attest-worker",
-                    daemon=True,
-                )  # fmt: skip
-                process.start()
-                child.close()  # (the child holds its own copy: our end sees EOF if it dies)
+                with theirs:
+                    process = subprocess.Popen(
+                        [sys.executable, "-m", "certs.offload", str(theirs.fileno())],
+                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                    )  # fmt: skip
+                ours.sendall(_HEADER.pack(len(hello)) + hello)
             except Exception as exc:
                 ours.close()
                 log.warning("an attestation worker process did not start: %s", exc)
@@ -276,12 +276,14 @@ class WorkerProcesses:
             except RuntimeError:  # the loop closed meanwhile
                 ours.close()
                 process.kill()
+                process.wait()
                 return
 
-    def _connect(self, process: multiprocessing.process.BaseProcess, sock: socket.socket) -> None:
+    def _connect(self, process: subprocess.Popen[bytes], sock: socket.socket) -> None:
         if self._closed:
             sock.close()
             process.kill()
+            process.wait()
             return
         worker = _Worker(self, process)
         self._workers.append(worker)
@@ -298,14 +300,14 @@ class WorkerProcesses:
         for group in (self._workers, self._ready):
             if worker in group:
                 group.remove(worker)
-        worker.process.join(0)  # (reaped if it has exited: no zombie)
+        worker.process.poll()  # (reaped if it has exited: no zombie)
         if self._closed:
             return
         self.restarts += 1
         log.error(
             "attestation worker process %s ended (exit code %s): starting another",
             worker.process.pid,
-            worker.process.exitcode,
+            worker.process.returncode,
         )
         assert self._loop is not None
         self._loop.call_later(self.RESTART_DELAY, self.start, 1)
@@ -328,12 +330,13 @@ class WorkerProcesses:
         await asyncio.to_thread(_reap, [w.process for w in workers])
 
 
-def _reap(processes: list[multiprocessing.process.BaseProcess]) -> None:
+def _reap(processes: list[subprocess.Popen[bytes]]) -> None:
     for process in processes:
-        process.join(5)
-        if process.exitcode is None:
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
             process.kill()
-            process.join(5)
+            process.wait(5)
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

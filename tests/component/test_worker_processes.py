@@ -1,5 +1,5 @@
 """attestmesh.controlplane.workers.WorkerProcesses: attestations verified and signed in real
-worker processes (forked from the fork server), answered on the event loop; a dead worker's
+worker processes (``python -m certs.offload``), answered on the event loop; a dead worker's
 jobs fall back to the caller and the worker is replaced; the control plane uses them when
 they are ready and its threads otherwise."""
 
@@ -171,7 +171,7 @@ async def test_a_killed_worker_fails_its_jobs_to_the_caller_and_is_replaced(
         assert worker not in pool._ready
         await _until(lambda: pool.ready)  # a new process took its place
         assert pool.restarts == 1 and pool._ready[0].process.pid != worker.process.pid
-        assert worker.process.exitcode == -signal.SIGKILL  # reaped
+        assert worker.process.returncode == -signal.SIGKILL  # reaped
     finally:
         await pool.aclose()
 
@@ -182,7 +182,7 @@ async def test_aclose_ends_every_process(ca: CertificateAuthority) -> None:
     await _until(lambda: len(pool._ready) == 2)
     processes = [w.process for w in pool._ready]
     await pool.aclose()
-    assert all(p.exitcode == 0 for p in processes)  # each saw its pipe close and returned
+    assert all(p.returncode == 0 for p in processes)  # each saw its pipe close and returned
     with pytest.raises(OffloadUnavailable):
         await pool.run(_job(ca, _request()))
 

@@ -105,3 +105,14 @@ def test_verify_usage_error_exits_3_not_the_invalid_evidence_status() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["verify"])
     assert exc.value.code == 3
+
+
+@pytest.mark.parametrize("count", ["-1", "65"])
+def test_controlplane_refuses_a_worker_process_count_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], count: str
+) -> None:
+    code = main(["controlplane", "--state-dir", str(tmp_path / "st"), "--policy",
+                 str(tmp_path / "p.yaml"), "--attest-processes", count])  # fmt: skip
+    assert code != 0
+    assert "--attest-processes must be between 0 and 64" in capsys.readouterr().err
+    assert not (tmp_path / "st").exists()  # refused before anything was made

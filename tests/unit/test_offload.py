@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 from datetime import timedelta
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -217,3 +218,45 @@ def test_serve_answers_each_job_in_order_and_ends_with_its_pipe(
     assert answers[0][1][1].serial == 7
     assert isinstance(answers[1][1], EvidenceRejected) and answers[1][1].appraisal
     assert isinstance(answers[2][1], pickle.UnpicklingError)
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "affinity", "cores"),
+    [
+        ("max 100000\n", 8, 8.0),  # no quota: the cores it may run on
+        ("200000 100000\n", 8, 2.0),  # a container's limit of 2 cores on an 8-core node
+        ("150000 100000\n", 8, 1.5),
+        ("50000 100000\n", 8, 1.0),  # below one core: one
+        ("800000 100000\n", 2, 2.0),  # a quota above the affinity: the affinity
+        (None, 3, 3.0),  # no cgroup v2 file
+        ("garbage", 3, 3.0),
+    ],
+)
+def test_available_cpus_follow_the_cgroup_quota_and_affinity(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cpu_max: str | None,
+    affinity: int,
+    cores: float,
+) -> None:
+    from attestmesh import serve
+
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    if cpu_max is not None:
+        (tmp_path / "cpu.max").write_text(cpu_max)
+    assert serve.available_cpus(tmp_path) == cores
+
+
+def test_worker_processes_leave_the_loop_a_core() -> None:
+    from attestmesh.serve import default_attest_processes
+
+    assert [default_attest_processes(c) for c in (1, 1.5, 2, 3, 5, 64)] == [0, 0, 1, 2, 4, 4]
+
+
+def test_the_attest_processes_flag() -> None:
+    from attestmesh.cli import build_parser
+
+    args = ["controlplane", "--state-dir", "/tmp/x", "--policy", "p.yaml"]
+    assert build_parser().parse_args(args).attest_processes is None  # the default: by cores
+    parsed = build_parser().parse_args([*args, "--attest-processes", "0"])
+    assert parsed.attest_processes == 0
