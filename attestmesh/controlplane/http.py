@@ -62,7 +62,7 @@ class RequestError(AttestmeshError):
 
 
 def _http_status(exc: AttestmeshError) -> int:
-    if exc.reason in ("nonce_capacity", "store_unavailable"):
+    if exc.reason in ("nonce_capacity", "store_unavailable", "attest_worker_failed"):
         return 503  # the control plane cannot take it now: retry shortly
     if exc.reason == "too_many_attestations":
         return 429  # this workload's attestation budget (after its identity was checked)

@@ -28,7 +28,12 @@ from attestmesh.controlplane.ports import (
     Publisher,
     Replication,
 )
-from attestmesh.controlplane.workers import OffloadUnavailable, WorkerProcesses, WorkerThreads
+from attestmesh.controlplane.workers import (
+    OffloadUnavailable,
+    WorkerLost,
+    WorkerProcesses,
+    WorkerThreads,
+)
 from attestmesh.metrics import Metrics
 from attestmesh.tcb_monitor import TcbGraceBook, deferrals_to_drop
 from certs.ca import CertificateAuthority, Issuer, Leaf, SigningMaterial, rotation_step
@@ -812,8 +817,12 @@ class ControlPlane:
                 job = Job(req, tuple(governing), material, spiffe, serial, now)
                 try:
                     signed = await procs.run(job)
-                except OffloadUnavailable:  # no verdict: this process does it (the pool counts)
+                except OffloadUnavailable:  # none ready: this process does it
                     pass
+                except WorkerLost:  # died or hung with it: never retried here (the agent does)
+                    self._metrics.attest_crypto.labels("lost").inc()
+                    log.error("the worker process verifying %s's evidence failed", req.workload)
+                    raise
                 except BaseException:  # its verdict (a refusal), or the caller went away
                     self._metrics.attest_crypto.labels("process").inc()
                     raise

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from certs import offload
 from certs.ca import Leaf
+from certs.errors import AttestmeshError
 from certs.policy import Admitted
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,16 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
 
 
 class OffloadUnavailable(Exception):
-    """No worker process took the job, or its process died with it: the caller runs it itself.
-    Never a verdict on the attestation."""
+    """No worker process could take the job (none ready): the caller runs it itself."""
+
+
+class WorkerLost(AttestmeshError):
+    """The worker process holding the job died, or did not answer within ``JOB_TIMEOUT`` (it
+    was killed): the request fails with a retry (HTTP 503); it is not run again here, where
+    evidence that crashes or hangs a parser would take the control plane down with it."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("attest_worker_failed", detail)
 
 
 _HEADER = struct.Struct("!i")  # multiprocessing.connection's frame: a signed 32-bit length
@@ -206,7 +215,7 @@ class _Worker(asyncio.Protocol):
         while self.waiting:
             fut = self.waiting.popleft()
             if not fut.done():
-                fut.set_exception(OffloadUnavailable("the worker process ended"))
+                fut.set_exception(WorkerLost("the worker process verifying it ended; retry"))
         self.pool._worker_lost(self)
 
 
@@ -222,11 +231,15 @@ class WorkerProcesses:
     socket pair: a job is written without waiting, its answer read when it comes; no thread of
     this process takes part. ``start`` starts them on a thread (an interpreter takes a moment
     to start); until a process has said it is ready, and when none is, ``run`` raises
-    ``OffloadUnavailable`` and the caller verifies on its threads. A process that dies (a
-    crash in a parser stays in it) fails its jobs with ``OffloadUnavailable`` (the caller runs
-    them) and is replaced; each ends when its socket closes (this process stopped or died)."""
+    ``OffloadUnavailable`` and the caller verifies on its threads. A process that dies, or
+    holds a job longer than ``JOB_TIMEOUT`` (then it is killed), fails its jobs with
+    ``WorkerLost`` (never run again in this process: a crash or a hang in a parser stays in the
+    worker) and is replaced; each ends when its socket closes (this process stopped or died)."""
 
     RESTART_DELAY = 1.0  # seconds before a dead worker's replacement starts
+    # a job takes ~0.3 ms (sim) to tens of ms (a TDX quote and its collateral); one that takes
+    # this long (queueing included) holds a hung worker, which is killed
+    JOB_TIMEOUT = 10.0
 
     def __init__(self, count: int, recipe: offload.VerifierRecipe) -> None:
         if count < 1:
@@ -300,25 +313,37 @@ class WorkerProcesses:
         for group in (self._workers, self._ready):
             if worker in group:
                 group.remove(worker)
-        worker.process.poll()  # (reaped if it has exited: no zombie)
         if self._closed:
-            return
+            return  # (aclose reaps it)
+        task = asyncio.ensure_future(asyncio.to_thread(_reap, [worker.process]))
+        task.add_done_callback(_log_failure)
         self.restarts += 1
-        log.error(
-            "attestation worker process %s ended (exit code %s): starting another",
-            worker.process.pid,
-            worker.process.returncode,
-        )
+        log.error("attestation worker process %s ended: starting another", worker.process.pid)
         assert self._loop is not None
         self._loop.call_later(self.RESTART_DELAY, self.start, 1)
 
     async def run(self, job: offload.Job) -> tuple[Admitted, Leaf]:
         """``certs.offload.run_job(job)`` in a worker process: its result, or the refusal it
-        raised; ``OffloadUnavailable`` if no process could run it."""
+        raised; ``OffloadUnavailable`` if no process could take it, ``WorkerLost`` if the one
+        that took it died or hung with it."""
         if not self._ready:
             raise OffloadUnavailable("no worker process ready")
         worker = min(self._ready, key=lambda w: len(w.waiting))
-        return await worker.submit(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        fut = worker.submit(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.JOB_TIMEOUT)
+        except TimeoutError:
+            log.error(
+                "attestation worker process %s held a job of %s for %.0f s: killing it",
+                worker.process.pid, job.req.workload, self.JOB_TIMEOUT,
+            )  # fmt: skip
+            worker.process.kill()
+            if worker.transport is not None:
+                worker.transport.abort()  # (its other jobs fail with WorkerLost)
+            raise WorkerLost("the worker process verifying it did not answer; retry") from None
+        except asyncio.CancelledError:
+            fut.cancel()  # (its answer, when it comes, is dropped)
+            raise
 
     async def aclose(self) -> None:
         """Stop every process: each sees its pipe close and exits (killed after 5 s)."""
@@ -344,4 +369,4 @@ def _log_failure(task: asyncio.Future[Any]) -> None:
         log.error("attestation worker process: %s", task.exception())
 
 
-__all__ = ["OffloadUnavailable", "WorkerProcesses", "WorkerThreads"]
+__all__ = ["OffloadUnavailable", "WorkerLost", "WorkerProcesses", "WorkerThreads"]

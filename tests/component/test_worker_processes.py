@@ -19,7 +19,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.controlplane.workers import OffloadUnavailable, WorkerProcesses
+from attestmesh.controlplane.http import public_error
+from attestmesh.controlplane.workers import OffloadUnavailable, WorkerLost, WorkerProcesses
 from certs import offload
 from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority
@@ -166,14 +167,42 @@ async def test_a_killed_worker_fails_its_jobs_to_the_caller_and_is_replaced(
         await _until(lambda: bool(worker.waiting))
         await asyncio.sleep(0.2)  # it is verifying (for 30 s)
         os.kill(worker.process.pid or 0, signal.SIGKILL)
-        with pytest.raises(OffloadUnavailable):
+        with pytest.raises(WorkerLost) as info:  # never run again by the caller
             await asyncio.wait_for(running, 10)
+        assert info.value.reason == "attest_worker_failed"
         assert worker not in pool._ready
         await _until(lambda: pool.ready)  # a new process took its place
         assert pool.restarts == 1 and pool._ready[0].process.pid != worker.process.pid
-        assert worker.process.returncode == -signal.SIGKILL  # reaped
+        await _until(lambda: worker.process.returncode == -signal.SIGKILL)  # reaped
     finally:
         await pool.aclose()
+
+
+async def test_a_hung_worker_is_killed_its_job_lost_and_it_is_replaced(
+    ca: CertificateAuthority,
+) -> None:
+    pool = WorkerProcesses(1, offload.VerifierRecipe(slow_verifiers, (30.0,)))
+    pool.RESTART_DELAY, pool.JOB_TIMEOUT = 0.05, 0.5
+    pool.start()
+    try:
+        await _until(lambda: pool.ready)
+        (worker,) = pool._ready
+        started = time.monotonic()
+        jobs = [asyncio.ensure_future(pool.run(_job(ca, _request()))) for _ in range(2)]
+        for job in jobs:  # the second waited behind the first: both lost with the worker
+            with pytest.raises(WorkerLost):
+                await job
+        assert time.monotonic() - started < 5
+        await _until(lambda: worker.process.returncode == -signal.SIGKILL)
+        await _until(lambda: pool.ready and pool._ready[0] is not worker)
+        assert pool.restarts == 1
+    finally:
+        await pool.aclose()
+
+
+def test_a_lost_worker_is_answered_503_retry() -> None:
+    status, body = public_error(WorkerLost("the worker process verifying it ended; retry"))
+    assert status == 503 and body["error"] == "attest_worker_failed"
 
 
 async def test_aclose_ends_every_process(ca: CertificateAuthority) -> None:
@@ -205,6 +234,38 @@ async def test_the_control_plane_signs_in_a_worker_when_one_is_ready(
         await _attest(cp, OTHER_MEASUREMENT)
     assert cp.status_of("web-1") is Status.QUARANTINED
     assert plane.sample("attestmesh_attest_crypto_total", where="process") == 2
+
+
+async def test_a_job_lost_with_its_worker_fails_the_request_and_records_nothing(
+    tmp_path: Path,
+) -> None:
+    """Evidence that crashes (or hangs) a worker is not verified again in the control plane's
+    own process: the request fails (503, the agent retries) and the state does not move."""
+    plane = make_control_plane(
+        tmp_path, clock=Clock(NOW), platform_key=PLATFORM, registrations=[registration()]
+    )
+    pool = WorkerProcesses(1, offload.VerifierRecipe(slow_verifiers, (30.0,)))
+    pool.RESTART_DELAY = 60.0
+    pool.start()
+    try:
+        await _until(lambda: pool.ready)
+        plane.cp._procs = pool
+        (worker,) = pool._ready
+        before = plane.cp.state.get("web-1")
+        attempt = asyncio.ensure_future(_attest(plane.cp))
+        await _until(lambda: bool(worker.waiting))
+        os.kill(worker.process.pid or 0, signal.SIGKILL)
+        with pytest.raises(WorkerLost):
+            await attempt
+        assert plane.cp.state.get("web-1") == before  # still pending, no certificate
+        assert plane.sample("attestmesh_attest_crypto_total", where="lost") == 1
+        assert plane.sample("attestmesh_attest_crypto_total", where="thread") == 0
+        # with no worker ready the next attempt is verified on a thread, and succeeds
+        assert not pool.ready
+        assert (await _attest(plane.cp)).serial
+        assert plane.sample("attestmesh_attest_crypto_total", where="thread") == 1
+    finally:
+        await pool.aclose()
 
 
 async def test_the_control_plane_uses_its_threads_until_a_worker_is_ready(
