@@ -72,6 +72,13 @@ class CpuMeter:
         d_stat, d_sched = b[0] - a[0], b[1] - a[1]
         return d_sched if abs(d_stat - d_sched) <= 0.02 else d_stat
 
+    def sample_root(self) -> tuple[float, float]:
+        """What ``sample`` measures, of the root process alone (its worker processes out)."""
+        try:
+            return _stat_cpu(self.pid), _sched_cpu(self.pid)
+        except (OSError, ValueError, IndexError):
+            return 0.0, 0.0
+
     def rss(self) -> int:
         total = 0
         for p in tree(self.pid):

@@ -89,8 +89,9 @@ class Mesh:
 
     def attest(self, name: str, measurement: str) -> None:
         """What the control plane does on an admitted attestation: a leaf whose Subject names
-        the class of the admitted claims, and the claims on record (``_verify_and_sign`` and
-        ``record_attestation``); the pod's agent then hands the leaf to its Envoy over SDS."""
+        the class of the admitted claims, and the claims on record
+        (``certs.offload.verify_and_sign`` and ``record_attestation``); the pod's agent then
+        hands the leaf to its Envoy over SDS."""
         pod = self.pods[name]
         self.serial += 1
         key = ec.generate_private_key(ec.SECP256R1())
