@@ -16,41 +16,28 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestmesh.controlplane.http import public_error
 from attestmesh.controlplane.workers import OffloadUnavailable, WorkerLost, WorkerProcesses
 from certs import offload
-from certs.binding import expected_report_data
 from certs.ca import CertificateAuthority
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
-from certs.evidence.sim import SimVerifier, build_report
+from certs.evidence.sim import SimVerifier
 from certs.issuance import AttestRequest, EvidenceRejected
-from certs.policy import parse_policies
 from tests.unit.fixtures_core import (
     MEASUREMENT,
     NOW,
     OTHER_MEASUREMENT,
     TRUST_DOMAIN,
     Clock,
-    csr_pem,
     make_control_plane,
     new_key,
-    policy_doc,
     registration,
-    spki,
 )
+from tests.unit.test_offload import NONCE, PLATFORM, PLATFORM_PEM, POLICIES, SPIFFE, sim_request
 from xds.state import Status
 
-PLATFORM = ec.generate_private_key(ec.SECP256R1())
-PLATFORM_PEM = PLATFORM.public_key().public_bytes(
-    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-)
 RECIPE = offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
-POLICIES = tuple(parse_policies([policy_doc()]))
-SPIFFE = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/web"
-NONCE = bytes(range(32))
 
 
 class _SlowSim:
@@ -74,20 +61,10 @@ def slow_verifiers(seconds: float) -> Mapping[Tee, Verifier]:
     return {Tee.SIM: _SlowSim(seconds)}
 
 
-def _request(
-    measurement: bytes = MEASUREMENT, key: Any = None, nonce: bytes = NONCE, name: str = "web-1"
-) -> AttestRequest:
-    key = key or new_key()
-    evidence = build_report(
-        PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=measurement
-    )
-    return AttestRequest(name, "sim", evidence, csr_pem(key), nonce)
-
-
 def _attest(cp: Any, measurement: bytes = MEASUREMENT) -> Any:
     """``cp.attest`` of web-1 with fresh sim evidence bound to a challenge's nonce."""
     nonce, _ = cp.challenge()
-    return cp.attest(_request(measurement, nonce=nonce), None)
+    return cp.attest(sim_request(measurement, nonce=nonce), None)
 
 
 async def _until(cond: Callable[[], bool], within: float = 60.0) -> None:
@@ -127,7 +104,7 @@ async def test_jobs_run_in_other_processes_and_answer_on_the_loop(
     assert os.getpid() not in pids and len(pids) == 2
     keys = [new_key() for _ in range(20)]
     answers = await asyncio.gather(
-        *(procs.run(_job(ca, _request(key=k), serial=100 + i)) for i, k in enumerate(keys))
+        *(procs.run(_job(ca, sim_request(key=k), serial=100 + i)) for i, k in enumerate(keys))
     )
     for i, (key, (admitted, leaf)) in enumerate(zip(keys, answers, strict=True)):
         cert = x509.load_der_x509_certificate(leaf.der)
@@ -142,9 +119,9 @@ async def test_a_refusal_is_raised_as_the_worker_raised_it(
     procs: WorkerProcesses, ca: CertificateAuthority
 ) -> None:
     with pytest.raises(EvidenceRejected) as info:
-        await procs.run(_job(ca, _request(OTHER_MEASUREMENT)))
+        await procs.run(_job(ca, sim_request(OTHER_MEASUREMENT)))
     assert info.value.appraisal and info.value.tee == "sim"
-    tampered = _request()
+    tampered = sim_request()
     bad = AttestRequest(
         tampered.workload, "sim", tampered.evidence[:-1] + b"\x00", tampered.csr_pem, NONCE
     )
@@ -163,7 +140,7 @@ async def test_a_killed_worker_fails_its_jobs_to_the_caller_and_is_replaced(
     try:
         await _until(lambda: pool.ready)
         (worker,) = pool._ready
-        running = asyncio.ensure_future(pool.run(_job(ca, _request())))
+        running = asyncio.ensure_future(pool.run(_job(ca, sim_request())))
         await _until(lambda: bool(worker.waiting))
         await asyncio.sleep(0.2)  # it is verifying (for 30 s)
         os.kill(worker.process.pid or 0, signal.SIGKILL)
@@ -188,7 +165,7 @@ async def test_a_hung_worker_is_killed_its_job_lost_and_it_is_replaced(
         await _until(lambda: pool.ready)
         (worker,) = pool._ready
         started = time.monotonic()
-        jobs = [asyncio.ensure_future(pool.run(_job(ca, _request()))) for _ in range(2)]
+        jobs = [asyncio.ensure_future(pool.run(_job(ca, sim_request()))) for _ in range(2)]
         for job in jobs:  # the second waited behind the first: both lost with the worker
             with pytest.raises(WorkerLost):
                 await job
@@ -213,7 +190,7 @@ async def test_aclose_ends_every_process(ca: CertificateAuthority) -> None:
     await pool.aclose()
     assert all(p.returncode == 0 for p in processes)  # each saw its pipe close and returned
     with pytest.raises(OffloadUnavailable):
-        await pool.run(_job(ca, _request()))
+        await pool.run(_job(ca, sim_request()))
 
 
 async def test_the_control_plane_signs_in_a_worker_when_one_is_ready(
@@ -276,7 +253,7 @@ async def test_the_control_plane_uses_its_threads_until_a_worker_is_ready(
     )
     plane.cp._procs = pool = WorkerProcesses(1, RECIPE)  # never started
     with pytest.raises(OffloadUnavailable):
-        await pool.run(_job(plane.ca, _request()))
+        await pool.run(_job(plane.ca, sim_request()))
     issued = await _attest(plane.cp)
     assert issued.serial
     assert plane.sample("attestmesh_attest_crypto_total", where="thread") == 1

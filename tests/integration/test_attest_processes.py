@@ -11,13 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from attestmesh.demo import GOOD, NAMES, free_port, join_token, write_config
+from attestmesh.demo import GOOD, NAMES
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from sidecar.sds import LocalSds
-from tests.integration.test_restart import ControlPlaneProcess
+from tests.integration.test_restart import ControlPlaneProcess, sim_mesh_config
 
 pytestmark = pytest.mark.integration
 
@@ -77,16 +75,7 @@ def _alive(pid: int) -> bool:
 async def test_the_control_plane_attests_through_its_worker_processes(
     tmp_path: Path, stop: str
 ) -> None:
-    platform = ec.generate_private_key(ec.SECP256R1())
-    pub = tmp_path / "sim.pub.pem"
-    pub.write_bytes(
-        platform.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
-    tokens = {n: join_token(n) for n in NAMES}
-    settings = write_config(tmp_path, ports, pub, tokens)
+    platform, settings, _, tokens = sim_mesh_config(tmp_path)
     cp = ControlPlaneProcess(settings, tmp_path / "cp.log", ["--attest-processes", "2"])
     await cp.start()
     assert cp.proc is not None

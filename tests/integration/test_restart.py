@@ -76,8 +76,13 @@ async def eventually(check: object, timeout_s: float = 15.0) -> None:
             await asyncio.sleep(0.02)
 
 
-@contextlib.asynccontextmanager
-async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
+def sim_mesh_config(
+    tmp_path: Path,
+) -> tuple[
+    ec.EllipticCurvePrivateKey, ControlPlaneSettings, dict[str, dict[str, int]], dict[str, str]
+]:
+    """The demo's two-workload mesh on fresh ports and a fresh simulated platform: (platform
+    key, settings, ports, join tokens)."""
     platform = ec.generate_private_key(ec.SECP256R1())
     pub = tmp_path / "sim.pub.pem"
     pub.write_bytes(
@@ -87,7 +92,12 @@ async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
     )
     ports = {n: {k: free_port() for k in ("inbound", "app", "outbound", "admin")} for n in NAMES}
     tokens = {n: join_token(n) for n in NAMES}
-    settings = write_config(tmp_path, ports, pub, tokens)
+    return platform, write_config(tmp_path, ports, pub, tokens), ports, tokens
+
+
+@contextlib.asynccontextmanager
+async def mesh(tmp_path: Path) -> AsyncIterator[dict[str, object]]:
+    platform, settings, ports, tokens = sim_mesh_config(tmp_path)
     cp = ControlPlaneProcess(settings, tmp_path / "controlplane.log")
     try:
         async with contextlib.AsyncExitStack() as stack:

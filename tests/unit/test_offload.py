@@ -50,12 +50,15 @@ def _across(value: Any) -> Any:
     return pickle.loads(pickle.dumps(value))  # noqa: S301
 
 
-def _request(measurement: bytes = MEASUREMENT, key: Any = None) -> AttestRequest:
+def sim_request(
+    measurement: bytes = MEASUREMENT, key: Any = None, nonce: bytes = NONCE
+) -> AttestRequest:
+    """web-1's request with sim evidence of ``PLATFORM`` binding ``nonce`` and ``key``."""
     key = key or new_key()
     evidence = build_report(
-        PLATFORM, report_data=expected_report_data(NONCE, spki(key)), measurement=measurement
+        PLATFORM, report_data=expected_report_data(nonce, spki(key)), measurement=measurement
     )
-    return AttestRequest("web-1", "sim", evidence, csr_pem(key), NONCE)
+    return AttestRequest("web-1", "sim", evidence, csr_pem(key), nonce)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +148,7 @@ def test_a_job_run_as_a_worker_runs_it_equals_the_call_on_a_thread(
     material = ca.signing_material()
     assert material is not None
     key = new_key()
-    req = _request(key=key)
+    req = sim_request(key=key)
     job = offload.Job(req, POLICIES, material, SPIFFE, 0x1234, NOW)
     admitted, leaf = _across(offload.run_job(_across(job)))
     admitted = offload.received(admitted)
@@ -169,7 +172,7 @@ def test_a_refusal_in_a_job_is_raised_as_on_a_thread(ca: CertificateAuthority) -
     )
     material = ca.signing_material()
     assert material is not None
-    job = offload.Job(_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 1, NOW)
+    job = offload.Job(sim_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 1, NOW)
     with pytest.raises(EvidenceRejected) as info:
         offload.run_job(job)
     back = _across(info.value)
@@ -182,7 +185,7 @@ def test_without_sim_keys_sim_evidence_is_refused(ca: CertificateAuthority) -> N
     material = ca.signing_material()
     assert material is not None
     with pytest.raises(EvidenceRejected) as info:
-        offload.run_job(offload.Job(_request(), POLICIES, material, SPIFFE, 1, NOW))
+        offload.run_job(offload.Job(sim_request(), POLICIES, material, SPIFFE, 1, NOW))
     assert info.value.reason == "tee_not_supported"
 
 
@@ -206,8 +209,8 @@ def test_serve_answers_each_job_in_order_and_ends_with_its_pipe(
 ) -> None:
     material = ca.signing_material()
     assert material is not None
-    good = offload.Job(_request(), POLICIES, material, SPIFFE, 7, NOW)
-    bad = offload.Job(_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 8, NOW)
+    good = offload.Job(sim_request(), POLICIES, material, SPIFFE, 7, NOW)
+    bad = offload.Job(sim_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 8, NOW)
     pipe = _Pipe([pickle.dumps(good), pickle.dumps(bad), b"not a pickle"])
     offload.serve(
         pipe, offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
