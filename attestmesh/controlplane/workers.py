@@ -138,6 +138,7 @@ class WorkerLost(AttestmeshError):
         super().__init__("attest_worker_failed", detail)
 
 
+MAX_RESTART_DELAY = 60.0  # seconds, between attempts to start a worker that keeps failing
 _HEADER = struct.Struct("!i")  # multiprocessing.connection's frame: a signed 32-bit length
 _MAX_ANSWER = 1 << 24  # a leaf and its claims are a few KB
 
@@ -194,6 +195,8 @@ class _Worker(asyncio.Protocol):
         try:
             kind, value = pickle.loads(frame)  # noqa: S301 (our own child, over our own pipe)
         except Exception as exc:
+            if not fut.done():
+                fut.set_exception(WorkerLost("the worker process's answer was unreadable"))
             self._fail(f"an answer that does not unpickle: {exc!r}")
             return
         if fut.done():  # (cancelled: the caller went away)
@@ -251,6 +254,7 @@ class WorkerProcesses:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.restarts = 0
+        self._failing = 0  # workers lost in a row before one said it was ready
 
     @property
     def ready(self) -> bool:
@@ -306,6 +310,7 @@ class WorkerProcesses:
         task.add_done_callback(_log_failure)
 
     def _worker_ready(self, worker: _Worker) -> None:
+        self._failing = 0
         self._ready.append(worker)
         log.info("attestation worker process %s ready", worker.process.pid)
 
@@ -318,9 +323,20 @@ class WorkerProcesses:
         task = asyncio.ensure_future(asyncio.to_thread(_reap, [worker.process]))
         task.add_done_callback(_log_failure)
         self.restarts += 1
-        log.error("attestation worker process %s ended: starting another", worker.process.pid)
+        if not worker.ready:  # it never started: back off (a bad recipe fails every time)
+            self._failing += 1
+        delay = self.restart_delay()
+        log.error(
+            "attestation worker process %s ended: starting another in %.1f s",
+            worker.process.pid, delay,
+        )  # fmt: skip
         assert self._loop is not None
-        self._loop.call_later(self.RESTART_DELAY, self.start, 1)
+        self._loop.call_later(delay, self.start, 1)
+
+    def restart_delay(self) -> float:
+        """Seconds before the next replacement starts: doubling with each worker in a row that
+        died before it was ready, up to ``MAX_RESTART_DELAY``."""
+        return min(MAX_RESTART_DELAY, self.RESTART_DELAY * 2 ** min(self._failing, 16))
 
     async def run(self, job: offload.Job) -> tuple[Admitted, Leaf]:
         """``certs.offload.run_job(job)`` in a worker process: its result, or the refusal it
@@ -333,6 +349,7 @@ class WorkerProcesses:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.JOB_TIMEOUT)
         except TimeoutError:
+            fut.add_done_callback(_retrieved)  # (it fails with its worker: nobody awaits it)
             log.error(
                 "attestation worker process %s held a job of %s for %.0f s: killing it",
                 worker.process.pid, job.req.workload, self.JOB_TIMEOUT,
@@ -362,6 +379,11 @@ def _reap(processes: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

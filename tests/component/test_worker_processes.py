@@ -56,6 +56,11 @@ class _SlowSim:
         return self.inner.verify(evidence, now=now, collateral=collateral)
 
 
+def broken_verifiers() -> Mapping[Tee, Verifier]:
+    """A recipe that fails in every worker (its roots unreadable, say)."""
+    raise RuntimeError("no verifiers today")
+
+
 def slow_verifiers(seconds: float) -> Mapping[Tee, Verifier]:
     """A recipe's builder (module level: the worker imports it by name)."""
     return {Tee.SIM: _SlowSim(seconds)}
@@ -177,6 +182,22 @@ async def test_a_hung_worker_is_killed_its_job_lost_and_it_is_replaced(
         await pool.aclose()
 
 
+async def test_workers_that_never_start_are_retried_ever_later(ca: CertificateAuthority) -> None:
+    pool = WorkerProcesses(1, offload.VerifierRecipe(broken_verifiers))
+    pool.RESTART_DELAY = 0.01
+    pool.start()
+    try:
+        await _until(lambda: pool._failing >= 3)
+        assert not pool.ready
+        with pytest.raises(OffloadUnavailable):  # the caller verifies on its threads
+            await pool.run(_job(ca, sim_request()))
+        assert pool.restart_delay() == 0.01 * 2**pool._failing
+        pool._failing = 40
+        assert pool.restart_delay() == 60.0  # at most a minute apart
+    finally:
+        await pool.aclose()
+
+
 def test_a_lost_worker_is_answered_503_retry() -> None:
     status, body = public_error(WorkerLost("the worker process verifying it ended; retry"))
     assert status == 503 and body["error"] == "attest_worker_failed"
@@ -258,3 +279,44 @@ async def test_the_control_plane_uses_its_threads_until_a_worker_is_ready(
     assert issued.serial
     assert plane.sample("attestmesh_attest_crypto_total", where="thread") == 1
     assert plane.sample("attestmesh_attest_crypto_total", where="process") == 0
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"\x00\x00\x00\x03abc", b"\x7f\xff\xff\xff", b"\xff\xff\xff\xff"],
+    ids=["unpicklable", "oversized", "negative"],
+)
+async def test_an_unreadable_answer_fails_its_job_and_drops_the_worker(answer: bytes) -> None:
+    from attestmesh.controlplane.workers import _Worker
+
+    class Process:
+        pid = 0
+
+    pool = WorkerProcesses(1, RECIPE)
+    pool._closed = True  # (nothing to restart: no process behind this worker)
+    worker = _Worker(pool, Process())  # type: ignore[arg-type]
+    transport = _Transport()
+    worker.connection_made(transport)
+    worker.data_received(b"\x00\x00\x00\x05" + offload.READY)
+    fut = worker.submit(b"job")
+    worker.data_received(answer)
+    assert transport.aborted
+    if fut.done():  # (a bad frame header fails every job when the connection is lost)
+        with pytest.raises(WorkerLost):
+            fut.result()
+    worker.connection_lost(None)
+    with pytest.raises(WorkerLost):
+        fut.result()
