@@ -336,7 +336,7 @@ class WorkerProcesses:
     def restart_delay(self) -> float:
         """Seconds before the next replacement starts: doubling with each worker in a row that
         died before it was ready, up to ``MAX_RESTART_DELAY``."""
-        return min(MAX_RESTART_DELAY, self.RESTART_DELAY * 2 ** min(self._failing, 16))
+        return min(MAX_RESTART_DELAY, self.RESTART_DELAY * float(2 ** min(self._failing, 16)))
 
     async def run(self, job: offload.Job) -> tuple[Admitted, Leaf]:
         """``certs.offload.run_job(job)`` in a worker process: its result, or the refusal it
