@@ -213,6 +213,12 @@ class ControlPlane:
         self._inflight: dict[str, int] = {}  # name -> this replica's batches not yet resolved
         self._skipped: set[str] = set()  # others' changes left alone while a write was in flight
         self._rereads: set[asyncio.Task[None]] = set()
+        # rows being read again (``_reread``): how many reads each, and the feed delivery that
+        # last carried it meanwhile (a row the feed delivered during the read is at least as
+        # new as the one read, or older than one it delivers later: the read loses)
+        self._rereading: dict[str, int] = {}
+        self._fed_at: dict[str, int] = {}
+        self._feed_tick = 0
         self._pruned_at: datetime | None = None
         self._tcb_grace = TcbGraceBook()  # TCB findings waiting out tcbChangeGracePeriod
         self._tcb_grace.track(state, state.workloads)  # their deadlines are in the rows
@@ -385,12 +391,20 @@ class ControlPlane:
             except AttestmeshError as exc:
                 log.warning("deciding again after a conflict failed: %s", exc)
 
-    def adopt_changes(self, changes: Changes) -> None:
+    def adopt_changes(self, changes: Changes, *, fed: bool = True) -> None:
         """What other replicas committed (``xds.store_pg.ChangeFeed``), on the loop: their
         rows and revocations become this replica's view and are announced (xDS, CRL). A row
         this replica has a write in flight for is left alone: that write either commits (it
-        was decided on the stored row) or is refused and adopts the stored row then."""
+        was decided on the stored row) or is refused and adopts the stored row then.
+        ``fed``: from the change feed (not ``_reread``'s direct read)."""
         mine = self._state.workloads
+        if fed and self._rereading:  # a read of these rows in flight now reads an older row
+            self._feed_tick += 1
+            carried = (
+                mine.keys() | changes.workloads.keys() if changes.resync else changes.workloads
+            )
+            for name in self._rereading.keys() & carried:
+                self._fed_at[name] = self._feed_tick
         rows = {
             n: w
             for n, w in changes.workloads.items()
@@ -417,13 +431,28 @@ class ControlPlane:
         then the same happens when it resolves)."""
         if self._replication is None:
             return
+        began = self._feed_tick
+        for name in names:
+            self._rereading[name] = self._rereading.get(name, 0) + 1
         try:
             rows = await asyncio.to_thread(self._replication.load_rows, names)
         except AttestmeshError as exc:
             log.warning("cannot read %d changed rows again: %s", len(names), exc)
             self._skipped.update(names)
             return
-        self.adopt_changes(Changes((0, 0), rows))  # read directly: no feed position
+        finally:
+            # the feed delivered these while the read ran: it holds them as new, or newer
+            # (the read has no feed position: adopting it could take a row back)
+            superseded = {n for n in names if self._fed_at.get(n, began) > began}
+            for name in names:
+                left = self._rereading[name] - 1
+                if left:
+                    self._rereading[name] = left
+                else:
+                    del self._rereading[name]
+                    self._fed_at.pop(name, None)
+        rows = {n: w for n, w in rows.items() if n not in superseded}
+        self.adopt_changes(Changes((0, 0), rows), fed=False)
 
     def adopt_rows(
         self,
