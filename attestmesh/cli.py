@@ -246,8 +246,14 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import signal
+
     from attestmesh.demo import run_demo
 
+    def terminated(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # as Ctrl-C: stop every process the demo started
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         return asyncio.run(run_demo(args.workdir, hold=args.hold))
     except KeyboardInterrupt:

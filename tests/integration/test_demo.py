@@ -29,8 +29,10 @@ async def test_demo_holds_every_expectation(
     assert (tmp_path / "state" / "state.sqlite3").exists()
 
 
-def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
-    """SIGINT while the mesh runs: exit 130, and no Envoy of this demo is left behind."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path, sig: int) -> None:
+    """SIGINT (or SIGTERM) while the mesh runs: exit 130, and no Envoy or worker process of
+    this demo is left behind (SIGTERM killed the demo at once and left its Envoys running)."""
     # Ctrl-C at a terminal: SIGINT handled as Python does by default. A process started in
     # the background of a shell without job control inherits SIGINT ignored (and rightly keeps
     # ignoring it): CI may run the suite so, hence the handler set here explicitly.
@@ -59,13 +61,16 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
         drain.start()
         envoys = _envoys_of(tmp_path)
         assert len(envoys) == 2, envoys
-        proc.send_signal(signal.SIGINT)
+        children = _children_of(proc.pid)
+        assert len(children) >= 2, children  # its Envoys (and its worker processes)
+        proc.send_signal(sig)
         try:
             code = proc.wait(30)
         except subprocess.TimeoutExpired:
-            raise AssertionError("no exit 30 s after SIGINT:\n" + "".join(lines[-40:])) from None
+            raise AssertionError(f"no exit 30 s after {sig}:\n" + "".join(lines[-40:])) from None
         assert code == 130, "".join(lines[-40:])
         assert _envoys_of(tmp_path) == []
+        assert [p for p in children if _alive(p)] == []
         assert not list(tmp_path.glob("sds-*.sock"))
     finally:
         if proc.poll() is None:
@@ -74,6 +79,19 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
         if drain is not None:
             drain.join(10)  # at the end of the output, before the pipe is closed under it
         proc.stdout.close()
+
+
+def _children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _envoys_of(workdir: Path) -> list[str]:
