@@ -380,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="worker processes that verify evidence and sign certificates (default: one fewer "
-        "than the cores, at most 4; 0: threads of the control plane's process). A CA key in a "
-        "PKCS#11 token always signs in the control plane's process",
+        "than the cores, at most 4; 0: threads of the control plane's process). With a CA key in "
+        "a PKCS#11 token each worker signs through a session of its own",
     )
     cp.add_argument("--trust-domain", default="attestmesh.local")
     cp.add_argument("--host", default="127.0.0.1")

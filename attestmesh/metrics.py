@@ -110,7 +110,7 @@ class Metrics:
         self.attest_crypto = Counter(
             "attestmesh_attest_crypto_total",
             "Attestations verified and signed, by where: a worker process, a thread of the "
-            "control plane's (no worker process ready, or the CA key stays in its token), or "
+            "control plane's (no worker process ready, or a key store only it can open), or "
             "lost (the worker holding it died or hung: answered 503, retried by the agent)",
             ["where"],
             registry=r,

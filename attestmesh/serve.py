@@ -819,12 +819,13 @@ class Running:
 
 def _start_processes(cp: ControlPlane, metrics: Metrics) -> None:
     """Warm the attestation worker processes up, in the background (until they answer,
-    attestations verify and sign on threads); none when the CA key stays in its token."""
+    attestations verify and sign on threads); none when the CA's key store cannot be opened
+    in another process."""
     procs = cp.processes
     if procs is None:
         return
     if cp.ca.signing_material() is None:
-        log.info("the CA key is in a token: attestations are signed in this process")
+        log.info("the CA's key store opens in this process only: attestations sign here")
         return
     metrics.attest_worker_processes.set_function(lambda: procs.count if procs.ready else 0)
     procs.start()

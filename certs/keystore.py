@@ -64,6 +64,9 @@ class KeyStoreError(AttestmeshError):
 
 class KeyStore(Protocol):
     name: str
+    # what ``open_key_store`` opens again as this store (in another process: a worker that
+    # signs with the same key); may hold a PIN: never logged
+    spec: str
 
     def generate(self, role: str) -> ec.EllipticCurvePrivateKey: ...
 
@@ -80,6 +83,7 @@ class FileKeyStore:
     """The keys themselves, PKCS#8 PEM, in the CA's state directory (mode 0600)."""
 
     name = "file"
+    spec = "file"
 
     def generate(self, role: str) -> ec.EllipticCurvePrivateKey:
         return ec.generate_private_key(ec.SECP256R1())
@@ -351,11 +355,12 @@ class Pkcs11KeyStore:
 
     name = "pkcs11"
 
-    def __init__(self, uri: Pkcs11Uri) -> None:
+    def __init__(self, uri: Pkcs11Uri, spec: str = "") -> None:
         import pkcs11
         from pkcs11 import exceptions as p11e
 
         self._uri = uri
+        self.spec = spec  # the URI as given (open_key_store): a worker process opens it again
         self._lock = threading.Lock()
         selection = {
             k: v
@@ -575,7 +580,7 @@ def open_key_store(spec: str | None) -> KeyStore:
     """``None`` or ``file``: keys in files; ``pkcs11:...``: keys in that token."""
     if spec is None or spec == "file":
         return FILE_KEYS
-    return Pkcs11KeyStore(parse_pkcs11_uri(spec))
+    return Pkcs11KeyStore(parse_pkcs11_uri(spec), spec)
 
 
 __all__ = [

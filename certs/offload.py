@@ -29,6 +29,7 @@ from certs.evidence.composite import attach_gpus
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
 from certs.issuance import AttestRequest, decide, read_only_claims, verify_request
+from certs.keystore import KeyStore, open_key_store
 from certs.policy import Admitted, AttestationPolicy
 
 
@@ -80,6 +81,7 @@ class Job:
 _KEPT_CAS = 4  # signing intermediates a worker keeps parsed (a rotation needs two)
 _verifiers: Mapping[Tee, Verifier] | None = None
 _cas: OrderedDict[bytes, CertificateAuthority] = OrderedDict()
+_stores: dict[str, KeyStore] = {}  # tokens opened by this worker, by URI
 
 
 def init_worker(recipe: VerifierRecipe) -> None:
@@ -145,7 +147,11 @@ def run_job(job: Job) -> tuple[Admitted, Leaf]:
         raise RuntimeError("worker not initialised (init_worker)")
     ca = _cas.get(job.signing.ident)
     if ca is None:
-        ca = CertificateAuthority.signing_only(job.signing)
+        spec = job.signing.key_store
+        store = None if spec == "file" else _stores.get(spec)
+        if store is None and spec != "file":
+            store = _stores[spec] = open_key_store(spec)  # this process's own session
+        ca = CertificateAuthority.signing_only(job.signing, store)
         _cas[job.signing.ident] = ca
         while len(_cas) > _KEPT_CAS:
             _cas.popitem(last=False)

@@ -835,7 +835,8 @@ class ControlPlane:
         now: datetime,
     ) -> tuple[Admitted, Leaf]:
         """``certs.offload.verify_and_sign`` in a worker process when one is ready and the CA's
-        key may leave this process (a file key; a token's key signs here), else on a thread."""
+        key can be used there (a file key; a token's key, through the worker's own session),
+        else on a thread."""
         serial = self._serials()
         procs = self._procs
         if procs is not None and procs.ready:

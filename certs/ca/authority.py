@@ -110,8 +110,12 @@ class SigningMaterial:
     ident: bytes
     root_der: bytes
     cert_der: bytes
-    key_der: bytes  # PKCS#8, unencrypted: handed only to this process's own workers
+    # a file key: PKCS#8 DER, unencrypted (handed only to this process's own workers); a
+    # token's key: the reference to it the CA keeps (a pkcs11: object URI), and ``key_store``
+    # the token's URI, which a worker opens with a session of its own (the key never leaves)
+    key: bytes
     trust_domain: str
+    key_store: str = "file"
 
     def __repr__(self) -> str:
         return f"SigningMaterial({self.ident.hex()[:16]})"
@@ -182,39 +186,59 @@ class CertificateAuthority:
     # -- signing elsewhere: a worker process's copy -----------------------------------------------
     def signing_material(self) -> SigningMaterial | None:
         """What another process needs to sign leaves as this CA's signing intermediate, as
-        bytes (None: its key cannot leave its token; such a CA signs in this process only)."""
+        bytes: a file key itself, or the reference to a token's key and the token's URI
+        (None: a key store that cannot be opened elsewhere)."""
         issuer = self.intermediate
-        try:
-            key_der = issuer.key.private_bytes(
-                serialization.Encoding.DER,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        except (TypeError, ValueError, NotImplementedError, AttestmeshError):
-            return None  # (a PKCS#11 key refuses to be written out)
+        store = self.key_store
+        if store.spec == "file":
+            try:
+                key = issuer.key.private_bytes(
+                    serialization.Encoding.DER,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            except (TypeError, ValueError, NotImplementedError, AttestmeshError):
+                return None  # (a token's key refuses to be written out)
+        elif store.spec:
+            try:
+                key = store.dump(issuer.key)
+            except AttestmeshError:
+                return None
+        else:
+            return None
         cert_der = issuer.cert.public_bytes(serialization.Encoding.DER)
         return SigningMaterial(
             ident=hashlib.sha256(cert_der).digest(),
             root_der=self.root.public_bytes(serialization.Encoding.DER),
             cert_der=cert_der,
-            key_der=key_der,
+            key=key,
             trust_domain=self.trust_domain,
+            key_store=store.spec,
         )
 
     @classmethod
-    def signing_only(cls, material: SigningMaterial) -> CertificateAuthority:
+    def signing_only(
+        cls, material: SigningMaterial, key_store: KeyStore | None = None
+    ) -> CertificateAuthority:
         """A CA that can sign leaves as ``material``'s intermediate and nothing else (no
-        directory, no rotation, no previous or prepared intermediate)."""
-        key = serialization.load_der_private_key(material.key_der, password=None)
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise AttestmeshError("ca_key_invalid", "signing material holds no EC private key")
+        directory, no rotation, no previous or prepared intermediate). A token's key is found
+        in ``key_store`` (the token ``material.key_store`` names, opened by the caller)."""
         cert = x509.load_der_x509_certificate(material.cert_der)
+        if material.key_store == "file":
+            key = serialization.load_der_private_key(material.key, password=None)
+            if not isinstance(key, ec.EllipticCurvePrivateKey):
+                raise AttestmeshError("ca_key_invalid", "signing material holds no EC private key")
+        elif key_store is None:
+            raise AttestmeshError("ca_key_store_mismatch", "signing material: no key store")
+        else:
+            key = key_store.load(material.key, "signing material")
         if cert.public_key() != key.public_key():
             raise AttestmeshError("ca_key_invalid", "signing material: key and certificate differ")
         return cls(
             root=x509.load_der_x509_certificate(material.root_der),
             intermediate=Issuer(cert, key),
             trust_domain=material.trust_domain,
+            key_store=key_store or FILE_KEYS,
         )
 
     # -- rotation: pure predicates --------------------------------------------------------------

@@ -320,3 +320,34 @@ async def test_an_unreadable_answer_fails_its_job_and_drops_the_worker(answer: b
     worker.connection_lost(None)
     with pytest.raises(WorkerLost):
         fut.result()
+
+
+async def test_a_ca_key_in_a_pkcs11_token_signs_in_the_worker_through_its_own_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token's key never leaves it: the material carries the token's URI and the key's
+    reference, and the worker opens a session of its own (SoftHSM2, the real module)."""
+    from certs.keystore import open_key_store
+    from tests.softhsm_harness import init_token
+
+    token = init_token(tmp_path / "hsm")
+    monkeypatch.setenv("SOFTHSM2_CONF", str(token.conf))  # (the worker inherits it)
+    store = open_key_store(token.uri)
+    ca = CertificateAuthority.load_or_create(
+        tmp_path / "ca", TRUST_DOMAIN, datetime.now(UTC) - timedelta(days=1), key_store=store
+    )
+    material = ca.signing_material()
+    assert material is not None and material.key_store == token.uri
+    assert material.key.startswith(b"pkcs11:") and b"PRIVATE KEY" not in material.key
+    pool = WorkerProcesses(1, RECIPE)
+    pool.start()
+    try:
+        await _until(lambda: pool.ready)
+        key = new_key()
+        admitted, leaf = await pool.run(_job(ca, sim_request(key=key), serial=77))
+        cert = x509.load_der_x509_certificate(leaf.der)
+        cert.verify_directly_issued_by(ca.intermediate.cert)  # signed by the token's key
+        assert cert.public_key() == key.public_key() and leaf.serial == 77
+        assert admitted.claims.measurements == {"measurement": MEASUREMENT.hex()}
+    finally:
+        await pool.aclose()

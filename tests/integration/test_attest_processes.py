@@ -40,7 +40,7 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-async def _metric(session: aiohttp.ClientSession, port: int, name: str) -> float:
+async def ops_metric(session: aiohttp.ClientSession, port: int, name: str) -> float:
     async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
         text = await r.text()
     return sum(
@@ -89,15 +89,17 @@ async def test_the_control_plane_attests_through_its_worker_processes(
         ops = settings.ops_port
         async with aiohttp.ClientSession() as session:
             async with asyncio.timeout(30):  # the workers start once the control plane serves
-                while await _metric(session, ops, "attestmesh_attest_worker_processes") < 2:
+                while await ops_metric(session, ops, "attestmesh_attest_worker_processes") < 2:
                     await asyncio.sleep(0.05)
             cert = await agent.attest_once(session)
             assert cert.serial
             assert (
-                await _metric(session, ops, 'attestmesh_attest_crypto_total{where="process"}') == 1
+                await ops_metric(session, ops, 'attestmesh_attest_crypto_total{where="process"}')
+                == 1
             )
             assert (
-                await _metric(session, ops, 'attestmesh_attest_crypto_total{where="thread"}') == 0
+                await ops_metric(session, ops, 'attestmesh_attest_crypto_total{where="thread"}')
+                == 0
             )
             workers = _workers(cp.proc.pid)
             assert workers == _children(cp.proc.pid) and len(workers) == 2  # and nothing else
@@ -111,10 +113,12 @@ async def test_the_control_plane_attests_through_its_worker_processes(
                     except AgentError as exc:  # a job sent to it before its end was seen
                         assert exc.reason == "attest_worker_failed" and attempt < 2
             # at most the one job it may have been sent before the control plane saw it end
-            assert await _metric(session, ops, 'attestmesh_attest_crypto_total{where="lost"}') <= 1
+            assert (
+                await ops_metric(session, ops, 'attestmesh_attest_crypto_total{where="lost"}') <= 1
+            )
             async with asyncio.timeout(30):  # and it is replaced
                 while not (
-                    await _metric(session, ops, "attestmesh_attest_worker_processes") == 2
+                    await ops_metric(session, ops, "attestmesh_attest_worker_processes") == 2
                     and len(_workers(cp.proc.pid) - {victim}) == 2
                 ):
                     await asyncio.sleep(0.05)

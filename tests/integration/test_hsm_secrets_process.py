@@ -26,6 +26,7 @@ from sidecar.agent import Agent, SimEvidenceSource, client_ssl_context
 from sidecar.secrets import FanOut, SecretFetcher
 from tests.bao_harness import start_bao
 from tests.component.test_kbs import KbsClient
+from tests.integration.test_attest_processes import ops_metric
 from tests.softhsm_harness import init_token
 from tests.unit.test_sealing import _decrypt_jwe
 
@@ -101,10 +102,14 @@ async def test_hsm_ca_and_secret_release_through_the_real_process(tmp_path: Path
             "--ca-key-store", token.uri,
             "--secret-policy", str(tmp_path / "secrets.yaml"), "--secret-port", str(secret_port),
             "--openbao-url", bao.url, "--openbao-token-file", str(bao_token),
-            "--kbs-port", str(kbs_port),
+            "--kbs-port", str(kbs_port), "--attest-processes", "1",
         ]  # fmt: skip
         log = tmp_path / "controlplane.log"
         proc = await _start(args, log, s.ops_port, env)
+        async with aiohttp.ClientSession() as session, asyncio.timeout(30):
+            # its worker process signs through a session of its own with the token's key
+            while await ops_metric(session, s.ops_port, "attestmesh_attest_worker_processes") < 1:
+                await asyncio.sleep(0.05)
         root_pem = (s.state_dir / "ca" / "root.pem").read_bytes()
         for name in ("root.key", "intermediate.key"):
             assert (s.state_dir / "ca" / name).read_text().startswith("pkcs11:id=")
@@ -138,6 +143,9 @@ async def test_hsm_ca_and_secret_release_through_the_real_process(tmp_path: Path
 
         await attest_and_fetch("backend")
         assert (tmp_path / "backend" / "secrets" / "db" / "password").read_text() == "pw-from-bao"
+        async with aiohttp.ClientSession() as session:
+            signed = 'attestmesh_attest_crypto_total{where="process"}'
+            assert await ops_metric(session, s.ops_port, signed) == 1
         frontend = await attest_and_fetch("frontend")
         assert frontend.last_error["db"].reason == "not_allowed"
         assert not (tmp_path / "frontend" / "secrets" / "db").exists()

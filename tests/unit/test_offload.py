@@ -120,8 +120,12 @@ def test_signing_material_of_a_mismatched_key_is_refused(ca: CertificateAuthorit
         CertificateAuthority.signing_only(forged)
 
 
-def test_a_token_key_yields_no_signing_material(ca: CertificateAuthority) -> None:
-    """A PKCS#11 key refuses to be written out: that CA signs in the control plane's process."""
+def test_a_key_that_cannot_be_written_out_of_a_file_store_yields_none(
+    ca: CertificateAuthority,
+) -> None:
+    """A token's key held by a CA whose store is not that token (a mismatch): no material, it
+    signs in the control plane's process (a token's own store yields its reference: the
+    PKCS#11 test in tests/component/test_worker_processes.py)."""
     token_key = Pkcs11PrivateKey.__new__(Pkcs11PrivateKey)
     with pytest.raises(KeyStoreError):
         token_key.private_bytes(
