@@ -63,7 +63,8 @@ def _workers(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited, unreaped child does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -129,7 +130,7 @@ async def test_the_control_plane_attests_through_its_worker_processes(
         else:
             cp.kill()
         async with asyncio.timeout(15):  # no process outlives it
-            while any(_alive(p) for p in family):
+            while any(alive(p) for p in family):
                 await asyncio.sleep(0.05)
     finally:
         cp.kill()

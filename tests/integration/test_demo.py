@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attestmesh.demo import run_demo
+from tests.integration.test_attest_processes import alive
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +71,7 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path, sig: int) -
             raise AssertionError(f"no exit 30 s after {sig}:\n" + "".join(lines[-40:])) from None
         assert code == 130, "".join(lines[-40:])
         assert _envoys_of(tmp_path) == []
-        assert [p for p in children if _alive(p)] == []
+        assert [p for p in children if alive(p)] == []
         assert not list(tmp_path.glob("sds-*.sock"))
     finally:
         if proc.poll() is None:
@@ -84,14 +85,6 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path, sig: int) -
 def _children_of(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _envoys_of(workdir: Path) -> list[str]:
