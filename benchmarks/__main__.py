@@ -18,6 +18,7 @@ MODULES = [
     "benchmarks.bench_scale",
     "benchmarks.bench_verify",
     "benchmarks.bench_attest",
+    "benchmarks.bench_offload",
     "benchmarks.bench_hsm",
     "benchmarks.bench_xds",
     "benchmarks.bench_delta",

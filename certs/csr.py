@@ -20,6 +20,13 @@ class CsrError(AttestmeshError):
 
 def parse_csr(pem: bytes) -> x509.CertificateSigningRequest:
     """Parse and check a CSR: PEM, self-signature valid, P-256 key."""
+    return parse_csr_with_key(pem)[0]
+
+
+def parse_csr_with_key(
+    pem: bytes,
+) -> tuple[x509.CertificateSigningRequest, ec.EllipticCurvePublicKey]:
+    """``parse_csr``, and the key it checked (loading it again costs as much as the parse)."""
     try:
         csr = x509.load_pem_x509_csr(pem)
         key = csr.public_key()
@@ -35,7 +42,7 @@ def parse_csr(pem: bytes) -> x509.CertificateSigningRequest:
         signature_valid = False
     if not signature_valid:
         raise CsrError("csr_signature_invalid", "the CSR is not signed by its own key")
-    return csr
+    return csr, key
 
 
 def csr_key(csr: x509.CertificateSigningRequest) -> ec.EllipticCurvePublicKey:
@@ -52,4 +59,4 @@ def spki_der(key: ec.EllipticCurvePublicKey) -> bytes:
     )
 
 
-__all__ = ["CsrError", "csr_key", "parse_csr", "spki_der"]
+__all__ = ["CsrError", "csr_key", "parse_csr", "parse_csr_with_key", "spki_der"]

@@ -19,7 +19,7 @@ from typing import ClassVar, NoReturn, Self, SupportsIndex, final
 from cryptography import x509
 
 from certs.binding import binding_matches
-from certs.csr import csr_key, parse_csr, spki_der
+from certs.csr import csr_key, parse_csr_with_key, spki_der
 from certs.errors import AttestmeshError
 from certs.evidence.claims import Claims, Tee, Verifier
 from certs.policy import Admitted, AttestationPolicy, Rejected, appraise_all
@@ -191,7 +191,7 @@ def verify_request(
     req: AttestRequest, verifiers: Mapping[Tee, Verifier], now: datetime
 ) -> Verified:
     """CSR, evidence authenticity, and the key binding. Raises CsrError or EvidenceRejected."""
-    csr = parse_csr(req.csr_pem)
+    csr, key = parse_csr_with_key(req.csr_pem)
     try:
         tee = Tee(req.tee)
     except ValueError:
@@ -203,7 +203,7 @@ def verify_request(
         claims = verifier.verify(req.evidence, now=now, collateral=req.collateral)
     except AttestmeshError as exc:
         raise EvidenceRejected(exc.reason, exc.detail, tee) from exc
-    spki = spki_der(csr_key(csr))
+    spki = spki_der(key)
     if not binding_matches(claims.report_data, req.nonce, spki):
         raise EvidenceRejected(
             "binding_mismatch",

@@ -2,33 +2,41 @@
 CSR's key binding, appraise, sign the leaf (``verify_and_sign``, the one function the control
 plane runs on a thread or sends here).
 
-Everything a job carries pickles as plain values: the request, the governing policies, the CA's
-signing intermediate as bytes (``SigningMaterial``; a worker parses each one once, by its
-identity), the serial number and the time, both chosen by the caller. A worker builds its
-verifiers once, from a ``VerifierRecipe`` (a module-level function and its arguments), and holds
-no other state: what it returns is the appraisal's ``Admitted`` and the signed ``Leaf``, or the
-refusal it raised (``certs.errors`` pickles as itself).
+A job carries plain values: the request, the governing policies, the CA's signing intermediate
+as bytes (``SigningMaterial``; a worker parses each one once, by its identity), the serial
+number and the time, both chosen by the caller. A worker builds its verifiers once, from a
+``VerifierRecipe`` (a module-level function and its arguments): what it returns is the
+appraisal's ``Admitted`` and the signed ``Leaf``, or the refusal it raised (``certs.errors``
+pickles as itself).
+
+On the pipe (``JobEncoder`` / ``JobDecoder``, ``encode_answer`` / ``decode_answer``) a job and
+its answer are tuples of builtins, not pickled dataclasses and enums (which pickle field by
+field through Python code: encoding and decoding them cost the control plane's event loop about
+a sixth of an attestation), and a worker is sent each policy and signing intermediate once: later
+jobs name them by number.
 """
 
 from __future__ import annotations
 
+import operator
 import pickle
 import signal
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from types import MappingProxyType
+from typing import Any, Protocol, TypeGuard
 
 from certs.ca import CertificateAuthority, Leaf, SigningMaterial, issue
 from certs.collateral.roots import load_roots
-from certs.evidence.claims import Tee, Verifier
+from certs.evidence.claims import Claims, Tee, Verifier
 from certs.evidence.composite import attach_gpus
 from certs.evidence.registry import build_verifiers
 from certs.evidence.sim import load_platform_public_key
-from certs.issuance import AttestRequest, decide, read_only_claims, verify_request
+from certs.issuance import AttestRequest, decide, verify_request
 from certs.keystore import KeyStore, open_key_store
 from certs.policy import Admitted, AttestationPolicy
 
@@ -119,25 +127,22 @@ def main(argv: Sequence[str]) -> int:
 
 def serve(conn: Connection, recipe: VerifierRecipe) -> None:
     """A worker process's life: build the verifiers, say ``READY``, then answer each job (a
-    pickled ``Job``) in order with a pickled ``("ok", (Admitted, Leaf))`` or ``("error",
-    exception)``, until the other end closes. Ctrl-C in a terminal is the control plane's to
+    ``JobEncoder`` frame) in order with an ``encode_answer`` or ``encode_error`` frame, until
+    the other end closes. Ctrl-C in a terminal is the control plane's to
     handle: its worker ends with its pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_worker(recipe)
     conn.send_bytes(READY)
+    jobs = JobDecoder()
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the control plane closed its end (or died): nothing more to do
         try:
-            answer: tuple[str, object] = ("ok", run_job(pickle.loads(data)))  # noqa: S301
+            out = encode_answer(*run_job(jobs.decode(data)))
         except Exception as exc:  # the caller's to handle, as a call on a thread would be
-            answer = ("error", exc)
-        try:
-            out = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # (an exception that does not pickle)
-            out = pickle.dumps(("error", RuntimeError(f"worker: {answer[1]!r} ({exc})")))
+            out = encode_error(exc)
         conn.send_bytes(out)
 
 
@@ -157,38 +162,139 @@ def run_job(job: Job) -> tuple[Admitted, Leaf]:
             _cas.popitem(last=False)
     else:
         _cas.move_to_end(job.signing.ident)
-    admitted, leaf = verify_and_sign(
+    return verify_and_sign(
         job.req, _verifiers, job.governing, ca, job.spiffe_id, job.serial, job.now
     )
-    return _portable(admitted), leaf
 
 
 # -- between processes ------------------------------------------------------------------------
-def _portable(admitted: Admitted) -> Admitted:
-    """``admitted`` with plain-dict claim mappings (a read-only mapping does not pickle)."""
-    c = admitted.claims
-    return replace(
-        admitted,
-        claims=replace(
-            c, measurements=dict(c.measurements), tcb=dict(c.tcb), details=dict(c.details)
-        ),
-    )
+_RESET_AFTER = 1_024  # policies and intermediates a worker is sent before its table starts over
 
 
-def received(admitted: Admitted) -> Admitted:
-    """What a worker returned, its claims read-only again as verification made them."""
-    return replace(admitted, claims=read_only_claims(admitted.claims))
+class JobEncoder:
+    """The control plane's side of one worker's pipe: a ``Job`` as a frame. The policies and
+    signing intermediates the worker was sent before are named by number (it keeps them in the
+    ``JobDecoder`` the frames are read with, in the order they are written); past
+    ``reset_after`` of them the frame tells it to start over. Holds what it numbered (an
+    ``id`` names one value only while that value lives)."""
+
+    def __init__(self, reset_after: int = _RESET_AFTER) -> None:
+        self._numbers: dict[int, tuple[object, int]] = {}
+        self._next = 0
+        self._reset_after = reset_after
+
+    def encode(self, job: Job) -> bytes:
+        reset = len(self._numbers) + len(job.governing) + 1 > self._reset_after
+        if reset:
+            self._numbers.clear()
+        new: list[tuple[int, AttestationPolicy | SigningMaterial]] = []
+        policies = tuple(self._number(p, new) for p in job.governing)
+        signing = self._number(job.signing, new)
+        request: list[Any] = list(_request_values(job.req))
+        request[_COLLATERAL] = dict(request[_COLLATERAL])  # (a read-only mapping: no pickle)
+        frame = (reset, new, policies, signing, request, job.spiffe_id, job.serial, job.now)
+        return pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _number(
+        self,
+        value: AttestationPolicy | SigningMaterial,
+        new: list[tuple[int, AttestationPolicy | SigningMaterial]],
+    ) -> int:
+        known = self._numbers.get(id(value))
+        if known is not None:
+            return known[1]
+        number = self._next
+        self._next += 1
+        self._numbers[id(value)] = (value, number)
+        new.append((number, value))
+        return number
+
+
+class JobDecoder:
+    """A worker's side of its pipe: the ``Job`` a ``JobEncoder`` frame names."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, AttestationPolicy | SigningMaterial] = {}
+
+    def decode(self, frame: bytes) -> Job:
+        reset, new, policies, signing, request, spiffe_id, serial, now = pickle.loads(frame)  # noqa: S301
+        held = self._held
+        if reset:
+            held.clear()
+        held.update(new)
+        governing = tuple(held.get(n) for n in policies)
+        material = held.get(signing)
+        if not isinstance(material, SigningMaterial) or not _all_policies(governing):
+            # (frames read out of order: a bug, never a request's fault)
+            raise RuntimeError("worker: a job names a policy or intermediate it was not sent")
+        return Job(AttestRequest(*request), governing, material, spiffe_id, serial, now)
+
+
+def _all_policies(values: tuple[object, ...]) -> TypeGuard[tuple[AttestationPolicy, ...]]:
+    return all(isinstance(v, AttestationPolicy) for v in values)
+
+
+_REQUEST = tuple(f.name for f in fields(AttestRequest))
+_request_values = operator.attrgetter(*_REQUEST)
+_COLLATERAL = _REQUEST.index("collateral")
+_CLAIMS = tuple(f.name for f in fields(Claims))
+_claim_values = operator.attrgetter(*_CLAIMS)
+_TEE = _CLAIMS.index("tee")
+# the mappings (read-only in the claims, plain dicts on the pipe)
+_MAPPINGS = tuple(i for i, f in enumerate(fields(Claims)) if str(f.type).startswith("Mapping["))
+if fields(Admitted)[0].name != "claims":  # (decode_answer: the claims, then the rest)
+    raise ImportError("certs.offload: Admitted's first field must be its claims")
+_admitted_values = operator.attrgetter(*(f.name for f in fields(Admitted)[1:]))
+_leaf_values = operator.attrgetter(*(f.name for f in fields(Leaf)))
+
+
+def encode_answer(admitted: Admitted, leaf: Leaf) -> bytes:
+    """A worker's answer: ``("ok", claims, the rest of admitted, leaf)`` as builtins."""
+    claims: list[Any] = list(_claim_values(admitted.claims))
+    claims[_TEE] = str(claims[_TEE])
+    for i in _MAPPINGS:
+        claims[i] = dict(claims[i])
+    answer = ("ok", tuple(claims), _admitted_values(admitted), _leaf_values(leaf))
+    return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def encode_error(exc: Exception) -> bytes:
+    """A worker's refusal: ``("error", exception)`` (``certs.errors`` pickle as themselves)."""
+    try:
+        return pickle.dumps(("error", exc), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as failed:  # (an exception that does not pickle)
+        return pickle.dumps(("error", RuntimeError(f"worker: {exc!r} ({failed})")))
+
+
+def decode_answer(frame: bytes) -> tuple[Admitted, Leaf] | BaseException:
+    """What ``encode_answer`` sent, the claims read-only again as verification made them, or
+    the refusal ``encode_error`` sent. Raises on a frame neither made."""
+    answer = pickle.loads(frame)  # noqa: S301 (our own child, over our own pipe)
+    if answer[0] == "error" and isinstance(answer[1], BaseException):
+        return answer[1]
+    if answer[0] != "ok":
+        raise ValueError(f"worker answered {answer[0]!r}")
+    _, values, rest, leaf = answer
+    claims: list[Any] = list(values)
+    claims[_TEE] = Tee(claims[_TEE])
+    for i in _MAPPINGS:
+        claims[i] = MappingProxyType(claims[i])
+    return Admitted(Claims(*claims), *rest), Leaf(*leaf)
 
 
 __all__ = [
     "READY",
     "Connection",
     "Job",
+    "JobDecoder",
+    "JobEncoder",
     "VerifierRecipe",
     "configured_verifiers",
+    "decode_answer",
+    "encode_answer",
+    "encode_error",
     "init_worker",
     "main",
-    "received",
     "run_job",
     "serve",
     "verify_and_sign",

@@ -152,19 +152,52 @@ class _Worker(asyncio.Protocol):
         self.pool, self.process = pool, process
         self.transport: asyncio.Transport | None = None
         self.ready = False
-        self.waiting: collections.deque[asyncio.Future[tuple[Admitted, Leaf]]] = collections.deque()
+        # the jobs sent, in order, each with the workload it is for and when it is overdue
+        self.waiting: collections.deque[tuple[asyncio.Future[tuple[Admitted, Leaf]], str, float]]
+        self.waiting = collections.deque()
+        self._jobs = offload.JobEncoder()  # (what this worker was sent: by number after)
         self._buf = bytearray()
+        self._watch: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
 
-    def submit(self, frame: bytes) -> asyncio.Future[tuple[Admitted, Leaf]]:
+    def submit(self, job: offload.Job, timeout: float) -> asyncio.Future[tuple[Admitted, Leaf]]:
         assert self.transport is not None
-        fut: asyncio.Future[tuple[Admitted, Leaf]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[Admitted, Leaf]] = loop.create_future()
+        frame = self._jobs.encode(job)
         self.transport.write(_HEADER.pack(len(frame)) + frame)
-        self.waiting.append(fut)
+        due = loop.time() + timeout
+        self.waiting.append((fut, job.req.workload, due))
+        if self._watch is None:
+            self._watch = loop.call_at(due, self._overdue)
         return fut
+
+    def _overdue(self) -> None:
+        """The watchdog (one timer per worker, not one per job): the oldest job still waiting
+        is overdue, or the timer is set again for when it will be. A worker answers in order,
+        so the oldest is the one it holds: a worker that holds one that long hangs, and is
+        killed (its other jobs fail with it)."""
+        self._watch = None
+        if not self.waiting:
+            return
+        fut, workload, due = self.waiting[0]
+        loop = asyncio.get_running_loop()
+        if loop.time() < due:
+            self._watch = loop.call_at(due, self._overdue)
+            return
+        log.error(
+            "attestation worker process %s held a job of %s for %.0f s: killing it",
+            self.process.pid, workload, self.pool.JOB_TIMEOUT,
+        )  # fmt: skip
+        self.waiting.popleft()
+        if not fut.done():
+            fut.set_exception(WorkerLost("the worker process verifying it did not answer; retry"))
+        self.process.kill()
+        if self.transport is not None:
+            self.transport.abort()  # (its other jobs fail with WorkerLost)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
@@ -191,23 +224,20 @@ class _Worker(asyncio.Protocol):
         if not self.waiting:
             self._fail("an answer to no job")
             return
-        fut = self.waiting.popleft()
+        fut = self.waiting.popleft()[0]
         try:
-            kind, value = pickle.loads(frame)  # noqa: S301 (our own child, over our own pipe)
+            answer = offload.decode_answer(frame)
         except Exception as exc:
             if not fut.done():
                 fut.set_exception(WorkerLost("the worker process's answer was unreadable"))
-            self._fail(f"an answer that does not unpickle: {exc!r}")
+            self._fail(f"an answer that does not decode: {exc!r}")
             return
         if fut.done():  # (cancelled: the caller went away)
             return
-        if kind == "ok":
-            admitted, leaf = value
-            fut.set_result((offload.received(admitted), leaf))
-        elif isinstance(value, BaseException):
-            fut.set_exception(value)
+        if isinstance(answer, BaseException):  # its refusal, raised as on a thread
+            fut.set_exception(answer)
         else:
-            fut.set_exception(RuntimeError(f"worker answered {kind!r}"))
+            fut.set_result(answer)
 
     def _fail(self, why: str) -> None:
         log.error("attestation worker process %s: %s", self.process.pid, why)
@@ -215,8 +245,11 @@ class _Worker(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         while self.waiting:
-            fut = self.waiting.popleft()
+            fut = self.waiting.popleft()[0]
             if not fut.done():
                 fut.set_exception(WorkerLost("the worker process verifying it ended; retry"))
         self.pool._worker_lost(self)
@@ -345,22 +378,8 @@ class WorkerProcesses:
         if not self._ready:
             raise OffloadUnavailable("no worker process ready")
         worker = min(self._ready, key=lambda w: len(w.waiting))
-        fut = worker.submit(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.JOB_TIMEOUT)
-        except TimeoutError:
-            fut.add_done_callback(_retrieved)  # (it fails with its worker: nobody awaits it)
-            log.error(
-                "attestation worker process %s held a job of %s for %.0f s: killing it",
-                worker.process.pid, job.req.workload, self.JOB_TIMEOUT,
-            )  # fmt: skip
-            worker.process.kill()
-            if worker.transport is not None:
-                worker.transport.abort()  # (its other jobs fail with WorkerLost)
-            raise WorkerLost("the worker process verifying it did not answer; retry") from None
-        except asyncio.CancelledError:
-            fut.cancel()  # (its answer, when it comes, is dropped)
-            raise
+        # the caller going away cancels the future: its answer, when it comes, is dropped
+        return await worker.submit(job, self.JOB_TIMEOUT)
 
     async def aclose(self) -> None:
         """Stop every process: each sees its pipe close and exits (killed after 5 s)."""
@@ -379,11 +398,6 @@ def _reap(processes: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

@@ -22,7 +22,7 @@ from attestmesh.controlplane.workers import OffloadUnavailable, WorkerLost, Work
 from certs import offload
 from certs.ca import CertificateAuthority
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
-from certs.evidence.sim import SimVerifier
+from certs.evidence.sim import SimVerifier, load_platform_public_key
 from certs.issuance import AttestRequest, EvidenceRejected
 from tests.unit.fixtures_core import (
     MEASUREMENT,
@@ -54,6 +54,23 @@ class _SlowSim:
     def verify(self, evidence: bytes, *, now: datetime, collateral: Collateral) -> Claims:
         time.sleep(self.seconds)
         return self.inner.verify(evidence, now=now, collateral=collateral)
+
+
+class _SlowFor(_SlowSim):
+    """Slow only for evidence of OTHER_MEASUREMENT (one job hangs, the others do not)."""
+
+    def __init__(self, seconds: float, platform_pem: bytes) -> None:
+        self.inner = SimVerifier([load_platform_public_key(platform_pem)])  # (the parent's)
+        self.seconds = seconds
+
+    def verify(self, evidence: bytes, *, now: datetime, collateral: Collateral) -> Claims:
+        if OTHER_MEASUREMENT.hex().encode() in evidence:
+            time.sleep(self.seconds)
+        return self.inner.verify(evidence, now=now, collateral=collateral)
+
+
+def slow_for_other(seconds: float, platform_pem: bytes) -> Mapping[Tee, Verifier]:
+    return {Tee.SIM: _SlowFor(seconds, platform_pem)}
 
 
 def broken_verifiers() -> Mapping[Tee, Verifier]:
@@ -182,6 +199,31 @@ async def test_a_hung_worker_is_killed_its_job_lost_and_it_is_replaced(
         await pool.aclose()
 
 
+async def test_each_job_has_its_own_deadline_and_a_caller_gone_leaves_the_order_intact(
+    ca: CertificateAuthority,
+) -> None:
+    """One watchdog per worker, not a timer per job: a job sent late is not killed at the
+    deadline of one answered before it; a caller that went away drops only its own answer."""
+    pool = WorkerProcesses(1, offload.VerifierRecipe(slow_for_other, (30.0, PLATFORM_PEM)))
+    pool.RESTART_DELAY, pool.JOB_TIMEOUT = 0.05, 1.0
+    pool.start()
+    try:
+        await _until(lambda: pool.ready)
+        gone = asyncio.ensure_future(pool.run(_job(ca, sim_request(), serial=1)))
+        kept = asyncio.ensure_future(pool.run(_job(ca, sim_request(), serial=2)))
+        await asyncio.sleep(0)  # both sent, in this order
+        gone.cancel()
+        _, leaf = await kept
+        assert leaf.serial == 2  # its own answer, not the one whose caller went away
+        await asyncio.sleep(0.6)  # the first deadline passes while the slow job runs
+        sent = time.monotonic()
+        with pytest.raises(WorkerLost, match="did not answer"):
+            await pool.run(_job(ca, sim_request(OTHER_MEASUREMENT), serial=3))
+        assert 0.8 < time.monotonic() - sent < 5  # its own deadline, a second after it was sent
+    finally:
+        await pool.aclose()
+
+
 async def test_workers_that_never_start_are_retried_ever_later(ca: CertificateAuthority) -> None:
     pool = WorkerProcesses(1, offload.VerifierRecipe(broken_verifiers))
     pool.RESTART_DELAY = 0.01
@@ -299,7 +341,9 @@ class _Transport(asyncio.Transport):
     [b"\x00\x00\x00\x03abc", b"\x7f\xff\xff\xff", b"\xff\xff\xff\xff"],
     ids=["unpicklable", "oversized", "negative"],
 )
-async def test_an_unreadable_answer_fails_its_job_and_drops_the_worker(answer: bytes) -> None:
+async def test_an_unreadable_answer_fails_its_job_and_drops_the_worker(
+    answer: bytes, ca: CertificateAuthority
+) -> None:
     from attestmesh.controlplane.workers import _Worker
 
     class Process:
@@ -311,7 +355,7 @@ async def test_an_unreadable_answer_fails_its_job_and_drops_the_worker(answer: b
     transport = _Transport()
     worker.connection_made(transport)
     worker.data_received(b"\x00\x00\x00\x05" + offload.READY)
-    fut = worker.submit(b"job")
+    fut = worker.submit(_job(ca, sim_request()), 10.0)
     worker.data_received(answer)
     assert transport.aborted
     if fut.done():  # (a bad frame header fails every job when the connection is lost)

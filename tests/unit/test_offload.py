@@ -4,6 +4,7 @@ CA's signing intermediate as bytes, a job run as a worker runs it equals the cal
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType
@@ -154,8 +155,11 @@ def test_a_job_run_as_a_worker_runs_it_equals_the_call_on_a_thread(
     key = new_key()
     req = sim_request(key=key)
     job = offload.Job(req, POLICIES, material, SPIFFE, 0x1234, NOW)
-    admitted, leaf = _across(offload.run_job(_across(job)))
-    admitted = offload.received(admitted)
+    across = offload.JobDecoder().decode(offload.JobEncoder().encode(job))
+    assert across == job
+    answer = offload.decode_answer(offload.encode_answer(*offload.run_job(across)))
+    assert not isinstance(answer, BaseException)
+    admitted, leaf = answer
     here_admitted, here_leaf = offload.verify_and_sign(
         req, {Tee.SIM: SimVerifier([PLATFORM.public_key()])}, POLICIES, ca, SPIFFE, 0x1234, NOW
     )
@@ -215,16 +219,68 @@ def test_serve_answers_each_job_in_order_and_ends_with_its_pipe(
     assert material is not None
     good = offload.Job(sim_request(), POLICIES, material, SPIFFE, 7, NOW)
     bad = offload.Job(sim_request(OTHER_MEASUREMENT), POLICIES, material, SPIFFE, 8, NOW)
-    pipe = _Pipe([pickle.dumps(good), pickle.dumps(bad), b"not a pickle"])
+    jobs = offload.JobEncoder()
+    pipe = _Pipe([jobs.encode(good), jobs.encode(bad), b"not a pickle", jobs.encode(good)])
     offload.serve(
         pipe, offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
     )
     assert pipe.sent[0] == offload.READY
-    answers = [pickle.loads(b) for b in pipe.sent[1:]]  # noqa: S301
-    assert [a[0] for a in answers] == ["ok", "error", "error"]
-    assert answers[0][1][1].serial == 7
-    assert isinstance(answers[1][1], EvidenceRejected) and answers[1][1].appraisal
-    assert isinstance(answers[2][1], pickle.UnpicklingError)
+    first, refused, garbage, again = (offload.decode_answer(b) for b in pipe.sent[1:])
+    assert not isinstance(first, BaseException) and first[1].serial == 7
+    assert isinstance(refused, EvidenceRejected) and refused.appraisal
+    assert isinstance(garbage, pickle.UnpicklingError)
+    assert not isinstance(again, BaseException) and again[1].serial == 7
+
+
+def test_a_worker_is_sent_each_policy_and_intermediate_once(ca: CertificateAuthority) -> None:
+    material = ca.signing_material()
+    assert material is not None
+    other = tuple(parse_policies([policy_doc(name="other")]))
+    jobs, worker = offload.JobEncoder(), offload.JobDecoder()
+    first = offload.Job(sim_request(), POLICIES, material, SPIFFE, 1, NOW)
+    second = offload.Job(sim_request(), POLICIES + other, material, SPIFFE, 2, NOW)
+    frames = [jobs.encode(first), jobs.encode(first), jobs.encode(second)]
+    assert [len(pickle.loads(f)[1]) for f in frames] == [2, 0, 1]  # noqa: S301 (new values)
+    assert len(frames[1]) < len(frames[0]) / 2  # the request and a few numbers
+    assert [worker.decode(f) for f in frames] == [first, first, second]
+    # a worker that was not sent them (a new one, say) refuses the job, never guesses
+    with pytest.raises(RuntimeError, match="not sent"):
+        offload.JobDecoder().decode(frames[1])
+
+
+def test_past_its_limit_the_table_starts_over_on_both_sides(ca: CertificateAuthority) -> None:
+    material = ca.signing_material()
+    assert material is not None
+    policies = [tuple(parse_policies([policy_doc(name=f"p{i}")])) for i in range(5)]
+    jobs, worker = offload.JobEncoder(reset_after=4), offload.JobDecoder()
+    for round_ in range(3):
+        for i, governing in enumerate(policies):
+            job = offload.Job(sim_request(), governing, material, SPIFFE, i, NOW)
+            assert worker.decode(jobs.encode(job)) == job, (round_, i)
+    assert len(jobs._numbers) <= 4 and len(worker._held) <= 4
+
+
+def test_an_answer_crosses_with_every_claim_and_read_only_mappings(
+    ca: CertificateAuthority,
+) -> None:
+    admitted, leaf = offload.verify_and_sign(
+        sim_request(), {Tee.SIM: SimVerifier([PLATFORM.public_key()])}, POLICIES, ca, SPIFFE, 9,
+        NOW,
+    )  # fmt: skip
+    full = replace(
+        admitted.claims,
+        signer="ab" * 32, product_id=3, svn=4, platform_id="p", tcb=MappingProxyType({"snp": 7}),
+        tcb_status="UpToDate", advisories=("INTEL-SA-1",),
+        details=MappingProxyType({"policy_debug": False, "version": 2, "name": "x"}),
+    )  # fmt: skip
+    answer = offload.decode_answer(offload.encode_answer(replace(admitted, claims=full), leaf))
+    assert answer == (replace(admitted, claims=full), leaf)
+    assert not isinstance(answer, BaseException)
+    claims = answer[0].claims
+    assert claims.tee is Tee.SIM
+    for name in ("measurements", "tcb", "details"):  # every mapping field, read-only again
+        assert isinstance(getattr(claims, name), MappingProxyType), name
+    assert {offload._CLAIMS[i] for i in offload._MAPPINGS} == {"measurements", "tcb", "details"}
 
 
 @pytest.mark.parametrize(
