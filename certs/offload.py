@@ -182,9 +182,12 @@ class JobEncoder:
         self._numbers: dict[int, tuple[object, int]] = {}
         self._next = 0
         self._reset_after = reset_after
+        self._reset_due = False  # a frame that would have said so was never made
 
     def encode(self, job: Job) -> bytes:
-        reset = len(self._numbers) + len(job.governing) + 1 > self._reset_after
+        """The frame of ``job``; a job that cannot be encoded raises and leaves the table as
+        the worker has it (nothing it names is taken as sent)."""
+        reset = self._reset_due or len(self._numbers) + len(job.governing) >= self._reset_after
         if reset:
             self._numbers.clear()
         new: list[tuple[int, AttestationPolicy | SigningMaterial]] = []
@@ -193,7 +196,15 @@ class JobEncoder:
         request: list[Any] = list(_request_values(job.req))
         request[_COLLATERAL] = dict(request[_COLLATERAL])  # (a read-only mapping: no pickle)
         frame = (reset, new, policies, signing, request, job.spiffe_id, job.serial, job.now)
-        return pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            for _, value in new:
+                del self._numbers[id(value)]
+            self._reset_due = reset
+            raise
+        self._reset_due = False
+        return data
 
     def _number(
         self,

@@ -260,6 +260,24 @@ def test_past_its_limit_the_table_starts_over_on_both_sides(ca: CertificateAutho
     assert len(jobs._numbers) <= 4 and len(worker._held) <= 4
 
 
+def test_a_job_that_cannot_be_encoded_leaves_the_table_as_the_worker_has_it(
+    ca: CertificateAuthority,
+) -> None:
+    material = ca.signing_material()
+    assert material is not None
+    jobs, worker = offload.JobEncoder(reset_after=2), offload.JobDecoder()
+    good = offload.Job(sim_request(), POLICIES, material, SPIFFE, 1, NOW)
+    unpicklable = replace(sim_request(), collateral=MappingProxyType({"x": lambda: None}))
+    for _ in range(3):  # (with reset_after=2 every frame starts the table over)
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            jobs.encode(replace(good, req=unpicklable))
+        assert worker.decode(jobs.encode(good)) == good  # what it names was sent after all
+    other = offload.JobEncoder()
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        other.encode(replace(good, req=unpicklable))
+    assert offload.JobDecoder().decode(other.encode(good)) == good
+
+
 def test_an_answer_crosses_with_every_claim_and_read_only_mappings(
     ca: CertificateAuthority,
 ) -> None:
