@@ -25,7 +25,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, TypeGuard
@@ -195,7 +195,8 @@ class JobEncoder:
         signing = self._number(job.signing, new)
         request: list[Any] = list(_request_values(job.req))
         request[_COLLATERAL] = dict(request[_COLLATERAL])  # (a read-only mapping: no pickle)
-        frame = (reset, new, policies, signing, request, job.spiffe_id, job.serial, job.now)
+        now = _naive_utc(job.now)
+        frame = (reset, new, policies, signing, request, job.spiffe_id, job.serial, now)
         try:
             data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
@@ -238,7 +239,18 @@ class JobDecoder:
         if not isinstance(material, SigningMaterial) or not _all_policies(governing):
             # (frames read out of order: a bug, never a request's fault)
             raise RuntimeError("worker: a job names a policy or intermediate it was not sent")
-        return Job(AttestRequest(*request), governing, material, spiffe_id, serial, now)
+        return Job(
+            AttestRequest(*request), governing, material, spiffe_id, serial, now.replace(tzinfo=UTC)
+        )
+
+
+def _naive_utc(t: datetime) -> datetime:
+    """``t`` (aware, as every time here is) in UTC without its tzinfo: a naive datetime pickles
+    in a third of the time (``timezone.utc`` pickles through ``copyreg`` every time); the
+    other side attaches UTC again (the same instant: an aware datetime compares by it)."""
+    if t.tzinfo is None:
+        raise ValueError("a naive datetime does not cross to a worker: its zone is unknown")
+    return t.astimezone(UTC).replace(tzinfo=None)
 
 
 def _all_policies(values: tuple[object, ...]) -> TypeGuard[tuple[AttestationPolicy, ...]]:
@@ -255,8 +267,12 @@ _TEE = _CLAIMS.index("tee")
 _MAPPINGS = tuple(i for i, f in enumerate(fields(Claims)) if str(f.type).startswith("Mapping["))
 if fields(Admitted)[0].name != "claims":  # (decode_answer: the claims, then the rest)
     raise ImportError("certs.offload: Admitted's first field must be its claims")
-_admitted_values = operator.attrgetter(*(f.name for f in fields(Admitted)[1:]))
-_leaf_values = operator.attrgetter(*(f.name for f in fields(Leaf)))
+_ADMITTED = tuple(f.name for f in fields(Admitted)[1:])
+_admitted_values = operator.attrgetter(*_ADMITTED)
+_AT = _ADMITTED.index("at")
+_LEAF = tuple(f.name for f in fields(Leaf))
+_leaf_values = operator.attrgetter(*_LEAF)
+_NOT_AFTER = _LEAF.index("not_after")
 
 
 def encode_answer(admitted: Admitted, leaf: Leaf) -> bytes:
@@ -265,7 +281,11 @@ def encode_answer(admitted: Admitted, leaf: Leaf) -> bytes:
     claims[_TEE] = str(claims[_TEE])
     for i in _MAPPINGS:
         claims[i] = dict(claims[i])
-    answer = ("ok", tuple(claims), _admitted_values(admitted), _leaf_values(leaf))
+    rest: list[Any] = list(_admitted_values(admitted))
+    rest[_AT] = _naive_utc(rest[_AT])
+    values: list[Any] = list(_leaf_values(leaf))
+    values[_NOT_AFTER] = _naive_utc(values[_NOT_AFTER])
+    answer = ("ok", tuple(claims), tuple(rest), tuple(values))
     return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -290,7 +310,11 @@ def decode_answer(frame: bytes) -> tuple[Admitted, Leaf] | BaseException:
     claims[_TEE] = Tee(claims[_TEE])
     for i in _MAPPINGS:
         claims[i] = MappingProxyType(claims[i])
-    return Admitted(Claims(*claims), *rest), Leaf(*leaf)
+    admitted: list[Any] = list(rest)
+    admitted[_AT] = admitted[_AT].replace(tzinfo=UTC)
+    signed: list[Any] = list(leaf)
+    signed[_NOT_AFTER] = signed[_NOT_AFTER].replace(tzinfo=UTC)
+    return Admitted(Claims(*claims), *admitted), Leaf(*signed)
 
 
 __all__ = [

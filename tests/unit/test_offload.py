@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -156,10 +156,13 @@ def test_a_job_run_as_a_worker_runs_it_equals_the_call_on_a_thread(
     req = sim_request(key=key)
     job = offload.Job(req, POLICIES, material, SPIFFE, 0x1234, NOW)
     across = offload.JobDecoder().decode(offload.JobEncoder().encode(job))
-    assert across == job
+    assert across == job and across.now.tzinfo is UTC  # (crossed as naive UTC)
+    with pytest.raises(ValueError, match="naive"):  # a time of unknown zone never crosses
+        offload.JobEncoder().encode(replace(job, now=NOW.replace(tzinfo=None)))
     answer = offload.decode_answer(offload.encode_answer(*offload.run_job(across)))
     assert not isinstance(answer, BaseException)
     admitted, leaf = answer
+    assert admitted.at.tzinfo is UTC and leaf.not_after.tzinfo is UTC
     here_admitted, here_leaf = offload.verify_and_sign(
         req, {Tee.SIM: SimVerifier([PLATFORM.public_key()])}, POLICIES, ca, SPIFFE, 0x1234, NOW
     )
