@@ -19,6 +19,7 @@ MODULES = [
     "benchmarks.bench_verify",
     "benchmarks.bench_attest",
     "benchmarks.bench_offload",
+    "benchmarks.bench_http",
     "benchmarks.bench_hsm",
     "benchmarks.bench_xds",
     "benchmarks.bench_delta",
