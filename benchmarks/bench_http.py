@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import selectors
 import socket
 import ssl
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import aiohttp
 import trustme
+
+from benchmarks.scale_floor import process_cpu
 
 
 def answer_body(size: int) -> dict[str, str]:
@@ -55,11 +56,6 @@ def response_bytes(body: dict[str, str]) -> bytes:
         b"Content-Length: " + str(len(payload)).encode() + b"\r\nDate: Mon, 07 Dec 2026 "
         b"16:40:00 GMT\r\nServer: floor\r\n\r\n" + payload
     )
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 # -- the servers (each in a process of its own; a line on stdin asks for its CPU so far) --------
@@ -88,7 +84,7 @@ async def _aiohttp_server(cert: str, size: int) -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while await reader.readline():
-        print(_cpu(), flush=True)
+        print(process_cpu(), flush=True)
     await runner.cleanup()
 
 
@@ -108,7 +104,7 @@ def _floor_server(cert: str, size: int) -> None:
             if key.data == "stdin":
                 if not sys.stdin.readline():
                     return
-                print(_cpu(), flush=True)
+                print(process_cpu(), flush=True)
             elif key.data is None:
                 conn, _ = listener.accept()
                 tls = ctx.wrap_socket(conn, server_side=True)  # (blocking handshake: loopback)
@@ -201,6 +197,14 @@ async def _load(
     return done
 
 
+def write_certs(d: Path) -> None:
+    """``ca.pem`` and ``server.pem`` (chain and key, for localhost) in ``d``: what ``measure``
+    reads."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    ca.issue_cert("localhost").private_key_and_cert_chain_pem.write_to_path(str(d / "server.pem"))
+
+
 def measure(role: str, d: Path, args: argparse.Namespace, request: int, size: int) -> list[float]:
     server = Server(role, str(d / "server.pem"), size)
     ca = str(d / "ca.pem")
@@ -229,11 +233,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         d = Path(tmp)
-        ca = trustme.CA()
-        ca.cert_pem.write_to_path(str(d / "ca.pem"))
-        ca.issue_cert("localhost").private_key_and_cert_chain_pem.write_to_path(
-            str(d / "server.pem")
-        )
+        write_certs(d)
         # a challenge (small request, small answer), an attestation (~1.1 KB in, ~5.5 KB out)
         for name, request, size in (("challenge", 20, 100), ("attestation", 1_100, 5_500)):
             figures: dict[str, list[float]] = {}

@@ -47,7 +47,8 @@ def _ready_reads(sel: selectors.BaseSelector) -> Iterator[tuple[ssl.SSLSocket, b
             yield tls, b""
 
 
-def _cpu() -> float:
+def process_cpu() -> float:
+    """This process's CPU so far (user + system), seconds."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
@@ -112,7 +113,7 @@ def _server(n: int, payload: int, ack: int, rounds: int) -> None:
             for _ in range(rounds):
                 time.sleep(0.3)
                 got = dict.fromkeys(conns, 0)
-                c0, t0 = _cpu(), time.perf_counter()
+                c0, t0 = process_cpu(), time.perf_counter()
                 for tls in conns:
                     tls.write(data)
                 left = n
@@ -124,7 +125,7 @@ def _server(n: int, payload: int, ack: int, rounds: int) -> None:
                         got[tls] = before + len(chunk)
                         if before < ack <= before + len(chunk):
                             left -= 1
-                cpus.append(_cpu() - c0)
+                cpus.append(process_cpu() - c0)
                 walls.append(time.perf_counter() - t0)
             cpu, wall = statistics.median(cpus), statistics.median(walls)
             print(json.dumps({"cpu_s": cpu, "wall_s": wall}))

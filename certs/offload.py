@@ -128,8 +128,8 @@ def main(argv: Sequence[str]) -> int:
 def serve(conn: Connection, recipe: VerifierRecipe) -> None:
     """A worker process's life: build the verifiers, say ``READY``, then answer each job (a
     ``JobEncoder`` frame) in order with an ``encode_answer`` or ``encode_error`` frame, until
-    the other end closes. Ctrl-C in a terminal is the control plane's to
-    handle: its worker ends with its pipe."""
+    the other end closes. Ctrl-C in a terminal is the control plane's to handle: its worker
+    ends with its pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_worker(recipe)
     conn.send_bytes(READY)

@@ -7,18 +7,13 @@ import argparse
 from pathlib import Path
 
 import pytest
-import trustme
 
-from benchmarks.bench_http import measure
+from benchmarks.bench_http import measure, write_certs
 
 
 @pytest.mark.parametrize("role", ["floor", "aiohttp"])
 def test_each_server_answers_real_requests_and_reports_its_cpu(tmp_path: Path, role: str) -> None:
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    ca.issue_cert("localhost").private_key_and_cert_chain_pem.write_to_path(
-        str(tmp_path / "server.pem")
-    )
+    write_certs(tmp_path)
     args = argparse.Namespace(concurrency=2, seconds=0.3, rounds=2)
     # the client checks every answer's status and body: a wrong one raises here
     per_request = measure(role, tmp_path, args, request=1_100, size=5_500)
