@@ -20,6 +20,7 @@ MODULES = [
     "benchmarks.bench_attest",
     "benchmarks.bench_offload",
     "benchmarks.bench_http",
+    "benchmarks.bench_revocations",
     "benchmarks.bench_hsm",
     "benchmarks.bench_xds",
     "benchmarks.bench_delta",

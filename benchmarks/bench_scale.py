@@ -372,6 +372,7 @@ class Settings:
     envoy_interval_s: float = 0.005  # between one caller Envoy's requests
     py_spy: Path | None = None  # profile the control plane's phases into this directory
     py_spy_phases: frozenset[str] | None = None  # which (None: streams, quarantine, first...)
+    py_spy_gil: bool = False  # sample only the thread holding the GIL (py-spy --gil)
 
 
 def log(msg: str) -> None:
@@ -944,7 +945,7 @@ async def run_mesh(
         async with aiohttp.ClientSession() as session:
             if not await _phase(f, "setup", run.setup(f)):
                 return f
-            prof = Profiler(s.py_spy, phases=s.py_spy_phases)
+            prof = Profiler(s.py_spy, phases=s.py_spy_phases, gil=s.py_spy_gil)
             async with prof.phase(run.cp.pid, f"n{n}-streams"):
                 if not await _phase(f, "streams", run.open_streams(f, run.lean)):
                     return f
@@ -1149,6 +1150,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma-separated phases --py-spy profiles: streams, quarantine, "
         "first-attestation, issuance (default: all four)",
     )
+    p.add_argument(
+        "--py-spy-gil",
+        action="store_true",
+        help="sample only the thread holding the GIL (py-spy --gil): without it, a thread "
+        "waiting for the GIL inside a C call counts as busy",
+    )
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -1187,6 +1194,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             envoy_interval_s=args.envoy_interval_ms / 1e3,
             py_spy=args.py_spy,
             py_spy_phases=frozenset(args.py_spy_phases.split(",")) if args.py_spy_phases else None,
+            py_spy_gil=args.py_spy_gil,
         )
         sim_key, sim_pub = write_sim_platform(workdir)
         print(

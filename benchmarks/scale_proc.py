@@ -287,11 +287,16 @@ class Profiler:
     no-op) without a directory. py-spy is not a dependency: ``pip install py-spy``."""
 
     def __init__(
-        self, out_dir: Path | None, rate: int = 250, phases: frozenset[str] | None = None
+        self,
+        out_dir: Path | None,
+        rate: int = 250,
+        phases: frozenset[str] | None = None,
+        gil: bool = False,
     ) -> None:
         self.out_dir = out_dir
         self.rate = rate
         self.phases = phases  # None: every phase asked for
+        self.gil = gil  # only the thread holding the GIL (py-spy --gil)
 
     @contextlib.asynccontextmanager
     async def phase(self, pid: int, name: str) -> Any:
@@ -308,7 +313,8 @@ class Profiler:
         with (self.out_dir / f"{name}.log").open("ab") as log:
             proc = await asyncio.create_subprocess_exec(
                 str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate",
-                str(self.rate), "--subprocesses", "-o", str(self.out_dir / f"{name}.txt"),
+                str(self.rate), "--subprocesses", *(["--gil"] if self.gil else []),
+                "-o", str(self.out_dir / f"{name}.txt"),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
             )  # fmt: skip
         await asyncio.sleep(1.0)  # attached by then

@@ -10,9 +10,10 @@ size of the mesh, and a state once handed out never changes under its readers.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import overload
 
 from certs.evidence.claims import Claims
 from certs.standing import QuarantinedError as QuarantinedError
@@ -124,6 +125,162 @@ class Revocation:
     workload: str
 
 
+class Revocations(Sequence[Revocation]):
+    """The mesh's revocations, in the order they were made: an immutable sequence that
+    appending shares. Held as full chunks of ``_CHUNK`` (tuples, never changed once full)
+    and a short tail, with the serials in a :class:`PMap`: :meth:`added` copies the tail and,
+    when a chunk fills, the tuple of chunks (O(len / _CHUNK + _CHUNK) pointers) instead of
+    the whole sequence, and :meth:`revokes` answers by serial in O(1). A superseding
+    attestation adds one revocation: with a tuple it copied all of them (O(revocations) per
+    attestation, ~35 us at 50,000). Equal to a tuple (or another ``Revocations``) of the
+    same items; slices are tuples; :meth:`without` (a prune, an unrevoke) rebuilds."""
+
+    __slots__ = ("_chunks", "_len", "_serials", "_tail")
+
+    _CHUNK = 256
+
+    _chunks: tuple[tuple[Revocation, ...], ...]
+    _tail: tuple[Revocation, ...]
+    _len: int
+    _serials: PMap[int, Revocation]
+
+    def __init__(self, items: Iterable[Revocation] = ()) -> None:
+        if isinstance(items, Revocations):
+            self._chunks, self._tail = items._chunks, items._tail
+            self._len, self._serials = items._len, items._serials
+            return
+        every = tuple(items)
+        for r in every:
+            if not isinstance(r, Revocation):
+                raise TypeError(f"not a Revocation: {r!r}")
+        self._chunks, self._tail = _chunked((), every)
+        self._len = len(every)
+        self._serials = PMap((r.serial, r) for r in every)
+
+    @classmethod
+    def _of(
+        cls,
+        chunks: tuple[tuple[Revocation, ...], ...],
+        tail: tuple[Revocation, ...],
+        length: int,
+        serials: PMap[int, Revocation],
+    ) -> Revocations:
+        made = object.__new__(cls)
+        made._chunks, made._tail, made._len, made._serials = chunks, tail, length, serials
+        return made
+
+    def added(self, items: Iterable[Revocation]) -> Revocations:
+        """These revocations and ``items`` after them (self when there are none)."""
+        more = tuple(items)
+        if not more:
+            return self
+        chunks, tail = _chunked(self._chunks, self._tail + more)
+        if len(more) == 1:  # (a superseding attestation: one)
+            serials = self._serials.set(more[0].serial, more[0])
+        else:
+            serials = self._serials.update({r.serial: r for r in more})
+        return self._of(chunks, tail, self._len + len(more), serials)
+
+    def without(self, serials: Collection[int]) -> Revocations:
+        """These revocations less those of ``serials`` (self when none of them is here)."""
+        gone = {s for s in serials if s in self._serials}
+        if not gone:
+            return self
+        return Revocations(r for r in self if r.serial not in gone)
+
+    def revokes(self, serial: int) -> bool:
+        """Whether the certificate ``serial`` is revoked here."""
+        return serial in self._serials
+
+    def serials(self) -> frozenset[int]:
+        return frozenset(self._serials)
+
+    def extends(self, other: Revocations) -> bool:
+        """Whether these are ``other``'s revocations with more (or none) added after them (by
+        identity of what is shared: O(len / _CHUNK))."""
+        n = len(other._chunks)
+        if self._len < other._len or len(self._chunks) < n:
+            return False
+        if any(a is not b for a, b in zip(self._chunks, other._chunks, strict=False)):
+            return False
+        rest = other._tail
+        if len(self._chunks) == n:
+            return self._tail[: len(rest)] == rest
+        return self._chunks[n][: len(rest)] == rest
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> Revocation: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Revocation, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Revocation | tuple[Revocation, ...]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step != 1:
+                return tuple(self)[index]
+            if stop <= start:
+                return ()
+            full = self._len - len(self._tail)
+            if start >= full:  # (what was just added: in the tail)
+                return self._tail[start - full : stop - full]
+            first = start // self._CHUNK
+            picked = [*self._chunks[first:], self._tail]
+            flat = [r for chunk in picked for r in chunk]
+            offset = first * self._CHUNK
+            return tuple(flat[start - offset : stop - offset])
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError("revocation index out of range")
+        chunk, at = divmod(i, self._CHUNK)
+        return self._chunks[chunk][at] if chunk < len(self._chunks) else self._tail[at]
+
+    def __iter__(self) -> Iterator[Revocation]:
+        for chunk in self._chunks:
+            yield from chunk
+        yield from self._tail
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, Revocation):
+            return False
+        return self._serials.get(value.serial) == value or any(r == value for r in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Revocations):
+            if other._len != self._len:
+                return False
+        elif isinstance(other, tuple):
+            if len(other) != self._len:
+                return False
+        else:
+            return NotImplemented
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Revocations({tuple(self)!r})"
+
+    def __reduce__(self) -> tuple[type[Revocations], tuple[tuple[Revocation, ...]]]:
+        return (type(self), (tuple(self),))
+
+
+def _chunked(
+    chunks: tuple[tuple[Revocation, ...], ...], tail: tuple[Revocation, ...]
+) -> tuple[tuple[tuple[Revocation, ...], ...], tuple[Revocation, ...]]:
+    """``chunks`` with the full chunks of ``tail`` after them, and what is left of it."""
+    size = Revocations._CHUNK
+    if len(tail) < size:
+        return chunks, tail
+    full = len(tail) - len(tail) % size
+    more = tuple(tail[i : i + size] for i in range(0, full, size))
+    return chunks + more, tail[full:]
+
+
 @dataclass(frozen=True, slots=True)
 class TcbDeferral:
     """A quarantine decided after a TCB change, waiting out the policy's
@@ -176,15 +333,19 @@ class Event:
 @dataclass(frozen=True, slots=True)
 class MeshState:
     """``workloads`` may be given as any mapping; it is held as a :class:`PMap` (a copy of a
-    plain dict, once: transitions then share structure)."""
+    plain dict, once: transitions then share structure). ``revocations`` likewise as any
+    sequence of them, held as :class:`Revocations`."""
 
     trust_domain: str
     workloads: Mapping[str, WorkloadState] = field(default_factory=PMap)
-    revocations: tuple[Revocation, ...] = ()
+    revocations: Revocations = field(default_factory=Revocations)
 
     def __post_init__(self) -> None:
         if not isinstance(self.workloads, PMap):
             object.__setattr__(self, "workloads", PMap(self.workloads))
+        given: Iterable[Revocation] = self.revocations  # (a tuple, a list: held as one)
+        if not isinstance(given, Revocations):
+            object.__setattr__(self, "revocations", Revocations(given))
 
     def get(self, name: str) -> WorkloadState:
         try:
@@ -196,7 +357,7 @@ class MeshState:
         return [w for w in self.workloads.values() if w.status is Status.ATTESTED]
 
     def revoked_serials(self) -> frozenset[int]:
-        return frozenset(r.serial for r in self.revocations)
+        return self.revocations.serials()
 
 
 def _records(state: MeshState) -> PMap[str, WorkloadState]:
@@ -280,7 +441,7 @@ def record_attestation(
     state = _with(state, new)
     if superseded:
         revoked = tuple(Revocation(c.serial, c.not_after, now, name) for c in superseded)
-        state = replace(state, revocations=state.revocations + revoked)
+        state = replace(state, revocations=state.revocations.added(revoked))
     return state, [Event(EventKind.ATTESTED, name, now, record.policy)]
 
 
@@ -297,7 +458,7 @@ def withdraw(
     cert = w.certificates[-1]
     state = replace(
         _with(state, before),
-        revocations=(*state.revocations, Revocation(serial, cert.not_after, now, name)),
+        revocations=state.revocations.added((Revocation(serial, cert.not_after, now, name),)),
     )
     return state, []
 
@@ -330,7 +491,7 @@ def quarantine(
         quarantine=QuarantineRecord(trigger, reason, now, code, platform),
         tcb_deferral=None,
     )
-    state = replace(_with(state, new), revocations=state.revocations + revoked)
+    state = replace(_with(state, new), revocations=state.revocations.added(revoked))
     return state, [Event(EventKind.QUARANTINED, name, now, reason, trigger, code, platform)]
 
 
@@ -390,5 +551,5 @@ def overdue(state: MeshState, now: datetime) -> list[str]:
 
 def prune_revocations(state: MeshState, now: datetime) -> MeshState:
     """Drop revocations of certificates that have expired anyway (they need no CRL entry)."""
-    kept = tuple(r for r in state.revocations if r.not_after > now)
-    return state if len(kept) == len(state.revocations) else replace(state, revocations=kept)
+    expired = [r.serial for r in state.revocations if r.not_after <= now]
+    return replace(state, revocations=state.revocations.without(expired)) if expired else state

@@ -52,6 +52,7 @@ from xds.state import (
     QuarantineRecord,
     Registration,
     Revocation,
+    Revocations,
     Status,
     TcbDeferral,
     Trigger,
@@ -176,9 +177,11 @@ def diff(old: MeshState, new: MeshState, events: Sequence[Event] = ()) -> Batch:
         deletes = frozenset(n for n in before if n not in new.workloads)
     revoked: tuple[Revocation, ...] = ()
     unrevoked: frozenset[int] = frozenset()
-    if old.revocations is not new.revocations:
-        old_rev = {r.serial for r in old.revocations}
-        new_rev = {r.serial for r in new.revocations}
+    if new.revocations.extends(old.revocations):  # (the usual case: what was added)
+        revoked = new.revocations[len(old.revocations) :]
+    else:
+        old_rev = old.revocations.serials()
+        new_rev = new.revocations.serials()
         revoked = tuple(r for r in new.revocations if r.serial not in old_rev)
         unrevoked = frozenset(old_rev - new_rev)
     return Batch(upserts, deletes, revoked, unrevoked, tuple(events))
@@ -556,7 +559,7 @@ def _load(db: sqlite3.Connection, trust_domain: str) -> MeshState:
     loads = json.loads
     rows = db.execute("SELECT name, doc FROM workloads ORDER BY name").fetchall()
     workloads = {name: workload_from_doc(loads(doc)) for name, doc in rows}
-    revocations = tuple(
+    revocations = Revocations(
         Revocation(int(s), _from_iso(na), _from_iso(ra), w)
         for s, w, na, ra in db.execute(
             "SELECT serial, workload, not_after, revoked_at FROM revocations ORDER BY revoked_at"

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from xds.state import Event, MeshState, Revocation, WorkloadState
+from xds.state import Event, MeshState, Revocation, Revocations, WorkloadState
 from xds.store import (
     _KIND,
     _TRIGGER,
@@ -292,7 +292,7 @@ def _load_in(conn: psycopg.Connection[Any], trust_domain: str) -> tuple[MeshStat
         "ORDER BY revoked_at, serial"
     ).fetchall()
     workloads = {name: workload_from_doc(loads(doc)) for name, doc in rows}
-    revocations = tuple(
+    revocations = Revocations(
         Revocation(int(s), _from_iso(na), _from_iso(ra), w) for s, w, na, ra in revs
     )
     return MeshState(trust_domain, workloads, revocations), position
@@ -584,7 +584,7 @@ class Changes:
 
     position: Position
     workloads: dict[str, WorkloadState | None]
-    revoked: tuple[Revocation, ...] = ()
+    revoked: Sequence[Revocation] = ()
     unrevoked: frozenset[int] = frozenset()
     resync: bool = False
     ca: bool = False  # the leader changed the shared CA (rotation): reload it

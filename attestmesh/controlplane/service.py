@@ -56,6 +56,7 @@ from certs.policy import (
 from certs.tcb_reeval import TcbFinding, tcb_action
 from xds.build import TrustMaterial
 from xds.meshpolicy import MeshPolicy
+from xds.pmap import PMap
 from xds.state import (
     AttestationRecord,
     Event,
@@ -462,26 +463,26 @@ class ControlPlane:
     ) -> None:
         """Make durable rows written elsewhere (another replica) this replica's view: the
         state decisions see, the deadlines, the CRL, and (coalesced) the next announcement."""
-        have = {r.serial for r in self._state.revocations}
-        revoked = [r for r in revoked if r.serial not in have]
-        unrevoked = frozenset(unrevoked) & have
+        have = self._state.revocations
+        revoked = [r for r in revoked if not have.revokes(r.serial)]
+        unrevoked = frozenset(s for s in unrevoked if have.revokes(s))
         if revoked or unrevoked:
-            kept = tuple(r for r in self._state.revocations if r.serial not in unrevoked)
-            self._state = replace(self._state, revocations=kept + tuple(revoked))
+            kept = have.without(unrevoked).added(revoked)
+            self._state = replace(self._state, revocations=kept)
             self._trust = self._build_trust(self._clock())
         elif not rows:
             return
         old = self._state
-        workloads = dict(old.workloads)
         for name, w in rows.items():
-            if w is None:
-                workloads.pop(name, None)
-            else:
-                workloads[name] = w
             before = old.workloads.get(name)
             self._quarantined += (w is not None and w.status is Status.QUARANTINED) - (
                 before is not None and before.status is Status.QUARANTINED
             )
+        # the rows adopted, not a copy of the mesh (a persistent map's update: O(rows))
+        workloads = PMap(old.workloads).update(
+            {n: w for n, w in rows.items() if w is not None},
+            [n for n, w in rows.items() if w is None],
+        )
         self._state = replace(old, workloads=workloads)
         for name, w in rows.items():
             self._track_deadline(name)
@@ -514,12 +515,10 @@ class ControlPlane:
         if self._adopted:  # rows adopted after this state was decided replace its own
             newer = {n: w for n, (gen, w) in self._adopted.items() if gen >= a.gen}
             if newer:
-                workloads = dict(state.workloads)
-                for name, w in newer.items():
-                    if w is None:
-                        workloads.pop(name, None)
-                    else:
-                        workloads[name] = w
+                workloads = PMap(state.workloads).update(
+                    {n: w for n, w in newer.items() if w is not None},
+                    [n for n, w in newer.items() if w is None],
+                )
                 state = replace(state, workloads=workloads)
                 changed = changed | frozenset(newer)
             if a.gen > 0:  # announced states from now on derive from the adopted rows
@@ -809,7 +808,7 @@ class ControlPlane:
             # quarantine and a release, superseded by later attestations).
             current = ensure_may_issue(self._state, req.workload)
             if all(c.serial != serial for c in current.certificates):
-                if serial not in self._state.revoked_serials():
+                if not self._state.revocations.revokes(serial):
                     # not revoked: the state was restored from the store (an outage, a lost
                     # acknowledgement) without this write, whose outcome is unknown here
                     raise StoreUnavailableError(
