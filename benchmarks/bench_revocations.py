@@ -77,7 +77,7 @@ def superseding(state: MeshState, rounds: int) -> list[float]:
         serial += 1
         t0 = time.process_time()
         new, _ = record_attestation(
-            state, name, RECORD, IssuedCert(serial, LIVE), LIVE, NOW + timedelta(seconds=k)
+            state, name, RECORD, IssuedCert(serial, LIVE), LIVE, NOW + timedelta(milliseconds=k)
         )
         added = new.revocations[len(state.revocations) :]
         spent.append((time.process_time() - t0) * 1e6)

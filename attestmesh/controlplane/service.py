@@ -211,6 +211,9 @@ class ControlPlane:
         # rows adopted from the store (another replica's), newer than the states of
         # announcements decided before: name -> (gen adopted at, row or None: gone)
         self._adopted: dict[str, tuple[int, WorkloadState | None]] = {}
+        # gens of this replica's decisions not announced yet (their writes in flight, or
+        # pending): an adopted row is kept in _adopted only while one of them predates it
+        self._undelivered: set[int] = set()
         self._inflight: dict[str, int] = {}  # name -> this replica's batches not yet resolved
         self._skipped: set[str] = set()  # others' changes left alone while a write was in flight
         self._rereads: set[asyncio.Task[None]] = set()
@@ -330,6 +333,7 @@ class ControlPlane:
         announce = _Announcement(
             new, self._trust, frozenset(changed), tuple(events), self._gen, retry
         )
+        self._undelivered.add(announce.gen)
         try:
             durable = self._store.write(batch)
         except StoreConflict as exc:  # a synchronous store
@@ -365,6 +369,7 @@ class ControlPlane:
             # Fail-stop: the decided state is ahead of the durable one. Serve nothing more that
             # depends on it; the health check fails and a restart loads what is durable.
             self._store_failed = str(exc)
+            self._undelivered.discard(announce.gen)
             log.critical("state store write failed; refusing further transitions: %s", exc)
             return
         pending = self._pending
@@ -372,6 +377,7 @@ class ControlPlane:
             self._pending = announce
             asyncio.get_running_loop().call_soon(self._flush)
         else:
+            self._undelivered.discard(pending.gen)  # announced as part of this one
             self._pending = _Announcement(
                 announce.state,
                 announce.trust,
@@ -385,6 +391,7 @@ class ControlPlane:
         rows stored now (this replica's view of them was stale), announce them, and decide
         again if the decision says how."""
         log.warning("decision refused by the store, rows adopted: %s", conflict.detail)
+        self._undelivered.discard(announce.gen)  # never announced
         self.adopt_rows(conflict.current)
         if announce.retry is not None:
             try:
@@ -521,8 +528,14 @@ class ControlPlane:
                 )
                 state = replace(state, workloads=workloads)
                 changed = changed | frozenset(newer)
-            if a.gen > 0:  # announced states from now on derive from the adopted rows
-                self._adopted = {n: v for n, v in self._adopted.items() if v[0] >= a.gen}
+        self._undelivered.discard(a.gen)
+        if self._adopted:
+            # announced from now on: a row adopted before every decision not yet announced
+            # is in each of their states (decided from it); only newer rows are kept (a
+            # replica that mostly adopts kept every row the feed ever delivered, and overlaid
+            # and re-announced all of them with each fed batch)
+            oldest = min(self._undelivered, default=self._gen + 1)
+            self._adopted = {n: v for n, v in self._adopted.items() if v[0] >= oldest}
         self._announced = state
         # the newest CRL set, always: a state decided before revocations were adopted or
         # signed still gets them (the CRL never goes back); revoking early is the safe side
@@ -568,6 +581,7 @@ class ControlPlane:
         rows.update((n, None) for n in mine.workloads if n not in state.workloads)
         stored = {r.serial for r in state.revocations}
         self._inflight.clear()
+        self._undelivered.clear()  # (decisions that never became durable are never announced)
         self.adopt_rows(
             rows,
             state.revocations,
