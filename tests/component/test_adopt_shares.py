@@ -11,12 +11,22 @@ import asyncio
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from tests.unit.fixtures_core import NOW, Clock, make_control_plane, registration
 from xds.pmap import PMap
 from xds.state import Revocation, Status, Trigger
+
+
+def _plane(tmp_path: Path, n: int, publisher: object = None) -> Any:
+    """A control plane with ``n`` registered workloads (w0..), announcing to ``publisher``."""
+    regs = [registration(f"w{i}", port=20000 + i) for i in range(n)]
+    return make_control_plane(
+        tmp_path, clock=Clock(NOW), platform_key=ec.generate_private_key(ec.SECP256R1()),
+        registrations=regs, publisher=publisher,  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def _shared_buckets(a: PMap[str, object], b: PMap[str, object]) -> int:
@@ -26,12 +36,7 @@ def _shared_buckets(a: PMap[str, object], b: PMap[str, object]) -> int:
 async def test_adopting_a_row_shares_every_other_record_and_adds_revocations(
     tmp_path: Path,
 ) -> None:
-    clock = Clock(NOW)
-    regs = [registration(f"w{i}", port=20000 + i) for i in range(300)]
-    plane = make_control_plane(
-        tmp_path, clock=clock, platform_key=ec.generate_private_key(ec.SECP256R1()),
-        registrations=regs,
-    )  # fmt: skip
+    plane = _plane(tmp_path, 300)
     cp = plane.cp
     before = cp.state
     held = before.revocations
@@ -76,14 +81,8 @@ async def test_a_replica_that_only_adopts_announces_each_row_once(tmp_path: Path
     """Rows adopted with no decision of this replica in flight are announced once, then
     forgotten: each fed batch is announced as what it changed (before, a replica that only
     adopted announced every row it had ever adopted again with each batch)."""
-    clock = Clock(NOW)
-    regs = [registration(f"w{i}", port=20000 + i) for i in range(50)]
     publisher = _ChangedPublisher()
-    plane = make_control_plane(
-        tmp_path, clock=clock, platform_key=ec.generate_private_key(ec.SECP256R1()),
-        registrations=regs, publisher=publisher,  # type: ignore[arg-type]
-    )  # fmt: skip
-    cp = plane.cp
+    cp = _plane(tmp_path, 50, publisher).cp
     publisher.changed.clear()
     for i in range(20):
         row = replace(cp.state.workloads[f"w{i}"], status=Status.QUARANTINED)
@@ -101,14 +100,8 @@ async def test_a_row_adopted_while_a_decision_is_in_flight_reaches_its_announcem
     """A decision made before a row was adopted, announced after it: the announcement still
     carries the adopted row (its state was decided without it), and the row is forgotten
     only then."""
-    clock = Clock(NOW)
-    regs = [registration(f"w{i}", port=20000 + i) for i in range(5)]
     publisher = _ChangedPublisher()
-    plane = make_control_plane(
-        tmp_path, clock=clock, platform_key=ec.generate_private_key(ec.SECP256R1()),
-        registrations=regs, publisher=publisher,  # type: ignore[arg-type]
-    )  # fmt: skip
-    cp = plane.cp
+    cp = _plane(tmp_path, 5, publisher).cp
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     real_write = cp._store.write
     cp._store.write = lambda batch: (real_write(batch), gate)[1]  # durable when opened
