@@ -13,6 +13,7 @@ import enum
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from itertools import chain, islice
 from typing import overload
 
 from certs.evidence.claims import Claims
@@ -228,10 +229,9 @@ class Revocations(Sequence[Revocation]):
             if start >= full:  # (what was just added: in the tail)
                 return self._tail[start - full : stop - full]
             first = start // self._CHUNK
-            picked = [*self._chunks[first:], self._tail]
-            flat = [r for chunk in picked for r in chunk]
             offset = first * self._CHUNK
-            return tuple(flat[start - offset : stop - offset])
+            picked = chain.from_iterable((*self._chunks[first:], self._tail))
+            return tuple(islice(picked, start - offset, stop - offset))
         i = index + self._len if index < 0 else index
         if not 0 <= i < self._len:
             raise IndexError("revocation index out of range")
@@ -246,7 +246,10 @@ class Revocations(Sequence[Revocation]):
     def __contains__(self, value: object) -> bool:
         if not isinstance(value, Revocation):
             return False
-        return self._serials.get(value.serial) == value or any(r == value for r in self)
+        held = self._serials.get(value.serial)
+        if held is None:
+            return False  # (every item's serial is in the map)
+        return held == value or any(r == value for r in self)  # (a serial revoked twice)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Revocations):
@@ -363,6 +366,18 @@ class MeshState:
 def _records(state: MeshState) -> PMap[str, WorkloadState]:
     w = state.workloads
     return w if isinstance(w, PMap) else PMap(w)  # always a PMap (__post_init__)
+
+
+def with_rows(state: MeshState, rows: Mapping[str, WorkloadState | None]) -> MeshState:
+    """``state`` with these records (None: the workload gone), sharing every other one (a
+    persistent map's update: what the rows cost, not the mesh)."""
+    return replace(
+        state,
+        workloads=_records(state).update(
+            {n: w for n, w in rows.items() if w is not None},
+            [n for n, w in rows.items() if w is None],
+        ),
+    )
 
 
 def _with(state: MeshState, w: WorkloadState) -> MeshState:

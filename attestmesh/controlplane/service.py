@@ -56,7 +56,6 @@ from certs.policy import (
 from certs.tcb_reeval import TcbFinding, tcb_action
 from xds.build import TrustMaterial
 from xds.meshpolicy import MeshPolicy
-from xds.pmap import PMap
 from xds.state import (
     AttestationRecord,
     Event,
@@ -77,6 +76,7 @@ from xds.state import (
     release,
     set_tcb_deferrals,
     unregister,
+    with_rows,
     withdraw,
 )
 from xds.store import Batch, StateStore, StoreConflict
@@ -485,12 +485,7 @@ class ControlPlane:
             self._quarantined += (w is not None and w.status is Status.QUARANTINED) - (
                 before is not None and before.status is Status.QUARANTINED
             )
-        # the rows adopted, not a copy of the mesh (a persistent map's update: O(rows))
-        workloads = PMap(old.workloads).update(
-            {n: w for n, w in rows.items() if w is not None},
-            [n for n, w in rows.items() if w is None],
-        )
-        self._state = replace(old, workloads=workloads)
+        self._state = with_rows(old, rows)
         for name, w in rows.items():
             self._track_deadline(name)
             if w is None or w.status is not Status.ATTESTED:  # quarantined, released or gone
@@ -522,11 +517,7 @@ class ControlPlane:
         if self._adopted:  # rows adopted after this state was decided replace its own
             newer = {n: w for n, (gen, w) in self._adopted.items() if gen >= a.gen}
             if newer:
-                workloads = PMap(state.workloads).update(
-                    {n: w for n, w in newer.items() if w is not None},
-                    [n for n, w in newer.items() if w is None],
-                )
-                state = replace(state, workloads=workloads)
+                state = with_rows(state, newer)
                 changed = changed | frozenset(newer)
         self._undelivered.discard(a.gen)
         if self._adopted:
