@@ -140,6 +140,14 @@ class Metrics:
             ["trigger"],
             registry=r,
         )
+        self.unknown_names = Counter(
+            "attestmesh_unknown_name_waits_total",
+            "Agent requests naming a workload a replica did not hold, looked for again after "
+            "its change feed read once more: found, still unknown (refused), or the feed did "
+            "not read in time (refused)",
+            ["result"],
+            registry=r,
+        )
         self.audit_findings = Counter(
             "attestmesh_audit_findings_total",
             "Rejections audit-mode policies recorded without acting, by reason",

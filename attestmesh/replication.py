@@ -14,6 +14,7 @@ arrive, and stores it; on every other replica it only follows the stored one. Ei
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -71,6 +72,10 @@ class PgReplication:
         self._load = load
         self._monotonic = monotonic
         self.leadership = leadership or Leadership(url)
+        # the next read of the feed that requests may wait for, and how many reads had begun
+        # when it was asked for (a read begun since cannot serve a request made after it)
+        self._barrier: asyncio.Future[None] | None = None
+        self._barrier_reads = -1
 
     def start(self) -> PgReplication:
         self.leadership.start()
@@ -90,6 +95,24 @@ class PgReplication:
     def load_rows(self, names: Collection[str]) -> dict[str, WorkloadState | None]:
         return read_rows(self.url, sorted(names))
 
+    async def caught_up(self) -> None:
+        """See ``attestmesh.controlplane.ports.Replication``. Requests that wait at the same
+        time share one read (they cost the database nothing more: the feed's next read is
+        the one it makes anyway, at the latest after its poll interval)."""
+        feed = self.feed
+        loop = asyncio.get_running_loop()
+        barrier = self._barrier
+        if barrier is None or barrier.done() or feed.reads_begun != self._barrier_reads:
+            barrier = self._barrier = loop.create_future()
+            self._barrier_reads = feed.reads_begun
+
+            def read(done: asyncio.Future[None] = barrier) -> None:  # on the feed's thread,
+                # after its deliveries: the loop adopts them before it resolves this
+                loop.call_soon_threadsafe(_resolve, done)
+
+            feed.after_next_read(read)
+        await asyncio.shield(barrier)  # (a waiter given up leaves the read to the others)
+
     def load_state(self) -> MeshState:
         store = PostgresStore(self.url)
         try:
@@ -103,6 +126,11 @@ class PgReplication:
     def load_ca(self) -> CertificateAuthority:
         download_ca(self.url, self.ca_dir)
         return self._load()
+
+
+def _resolve(barrier: asyncio.Future[None]) -> None:
+    if not barrier.done():
+        barrier.set_result(None)
 
 
 class CrlSource(Protocol):

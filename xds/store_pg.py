@@ -22,6 +22,7 @@ know; the control plane fails stop either way) and is replaced on the next use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -642,7 +643,10 @@ class ChangeFeed:
     snapshot; ``deliver`` is called on this thread (the control plane hands it to its loop).
     After a lost connection it reconnects (every ``retry_seconds``) and catches up from the
     same number, so nothing is missed; if the log was pruned past that number it delivers a
-    full ``resync``. ``last_contact`` (monotonic) is the last time the database answered."""
+    full ``resync``. ``last_contact`` (monotonic) is the last time the database answered.
+
+    ``after_next_read(done)``: ``done`` is called on this thread once a read begun after the
+    call has caught up (after the deliveries it made); ``reads_begun`` counts those reads."""
 
     def __init__(
         self,
@@ -671,6 +675,9 @@ class ChangeFeed:
         self.last_contact = time.monotonic()
         self.reconnects = 0
         self.delivered = 0
+        self.reads_begun = 0
+        self._waiting: list[Callable[[], object]] = []  # after_next_read's, not yet taken
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="attestmesh-changefeed", daemon=True)
 
     def start(self) -> ChangeFeed:
@@ -693,10 +700,27 @@ class ChangeFeed:
         )
         self.connected = False
 
+    def after_next_read(self, done: Callable[[], object]) -> None:
+        """Call ``done`` (on this thread) once a read begun after this call has caught up."""
+        with self._lock:
+            self._waiting.append(done)
+
     def _step(self, conn: psycopg.Connection[Any]) -> float:
         self.connected = True
-        self._catch_up(conn)
-        return self._poll
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+            self.reads_begun += 1
+        try:
+            self._catch_up(conn)
+        except BaseException:  # (the connection is lost) the next connection's read serves them
+            with self._lock:
+                self._waiting[:0] = waiting
+            raise
+        for done in waiting:
+            with contextlib.suppress(RuntimeError):  # the waiting loop is closed: shutting down
+                done()
+        with self._lock:  # asked for while this read ran: read again at once
+            return 0.0 if self._waiting else self._poll
 
     def _lost(self, exc: psycopg.Error) -> None:
         if self.connected:

@@ -59,6 +59,13 @@ class Replication(Protocol):
         """These workloads' rows as stored now (None: no row). Blocking."""
         ...
 
+    async def caught_up(self) -> None:
+        """Once the change feed has read once more, a read begun after this call: what the
+        other replicas had committed by then is this replica's view (adopted on the loop).
+        A feed that is reconnecting reads at its next connection; one that is cut off never
+        does (the caller bounds the wait)."""
+        ...
+
     def ca_rotated(self, ca: CertificateAuthority) -> None:
         """The leader persisted a rotation step: store it for the other replicas."""
         ...

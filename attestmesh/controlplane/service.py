@@ -118,6 +118,11 @@ PRUNE_EVERY = timedelta(minutes=1)
 # a quarantine the store refused (another replica changed the row first) is decided again on
 # the stored row up to this many times
 QUARANTINE_RETRIES = 8
+# A replica refuses a name it does not hold only after its change feed read once more (the
+# agent of a workload registered through another replica may reach this one first): at most
+# this long (the feed reads at least every 0.5 s while connected; after a lost connection it
+# reads when it connects again, every 0.5 s)
+FEED_WAIT_S = 2.0
 # Appraisal reason codes (certs.policy's vocabulary) that, on authentic evidence, indict the
 # platform (firmware / TCB per vendor collateral), not only the workload: its node is marked.
 PLATFORM_APPRAISAL_REASONS = frozenset({"tcb_status_not_accepted", "tcb_below_minimum"})
@@ -696,7 +701,7 @@ class ControlPlane:
     async def authenticate(self, workload: str, token: str | None) -> Status:
         """The workload's status, once the caller proved to be it. Raises UnknownWorkloadError
         or IdentityError (the API answers both alike); changes nothing."""
-        w = self._state.get(workload)
+        w = await self._registered(workload)
         await self._identity.check(w.registration, token)
         return self._state.get(workload).status  # fresh: the check awaited
 
@@ -710,7 +715,7 @@ class ControlPlane:
         errors (identity, nonce, CSR) never quarantine."""
         started = time.perf_counter()
         now = self._clock()
-        w = self._state.get(req.workload)
+        w = await self._registered(req.workload)
         await self._identity.check(w.registration, token)
         # its budget first: every nonce consumed stays in the mesh's one replay set until it
         # expires, so a workload looping on fresh challenges (a valid or stolen token) must
@@ -740,6 +745,26 @@ class ControlPlane:
             return await self._issue(full, now, governing, interval, spiffe, ca, started, place)
         finally:
             place.leave()
+
+    async def _registered(self, name: str) -> WorkloadState:
+        """The workload's row, or UnknownWorkloadError. On a replica, a name it does not hold
+        is looked for once more after its change feed has read again (``FEED_WAIT_S`` at
+        most; requests waiting then share one read): registered through another replica a
+        moment ago, its agent may reach this one first. Nothing is read on a caller's word:
+        the feed's next read is the one it makes anyway."""
+        w = self._state.workloads.get(name)
+        if w is None and self._replication is not None:
+            fed = True
+            try:
+                async with asyncio.timeout(FEED_WAIT_S):
+                    await self._replication.caught_up()
+            except TimeoutError:  # the feed did not read (cut off): refused as unknown
+                fed = False
+            w = self._state.workloads.get(name)
+            self._metrics.unknown_names.labels(
+                "found" if w is not None else "unknown" if fed else "feed_unavailable"
+            ).inc()
+        return w if w is not None else self._state.get(name)  # (raises for an unknown one)
 
     async def _issue(
         self,
