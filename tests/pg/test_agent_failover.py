@@ -65,8 +65,9 @@ async def two(pg_url: str, tmp_path: Path) -> AsyncIterator[tuple[Served, Served
     a = Replica(pg_url, tmp_path / "ca", clock, follow_changes=True)
     b = Replica(pg_url, tmp_path / "ca", clock, follow_changes=True)
     await a.register([registration("web-1"), registration("web-2", port=15002)])
-    # B learns of them from the change feed: asked before it has, it would refuse them as
-    # unknown (what these tests exercise is the agent's failover, not the feed's latency)
+    # B learns of them from the change feed (asked before it has, it waits for its feed's
+    # next read: tests/pg/test_unknown_name_wait.py); these tests are about the agent's
+    # failover, so they start once B holds them
     await until(lambda: {"web-1", "web-2"} <= b.cp.state.workloads.keys())
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
