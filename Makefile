@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: demo test install install-test lint typecheck imports pytest bench clean
+.PHONY: demo test install install-test native lint typecheck imports pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,13 +15,19 @@ install: $(BIN)/python
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 
+## Compile the ADS hot path with mypyc (xds.native; nothing to do when current). The
+## sources run wherever it was not built or is stale; ATTESTMESH_NATIVE=0 runs them anyway.
+native: install-test
+	$(BIN)/python tools/native.py
+
 ## Install attestmesh and run the local demo (real Envoys, simulated TEE, embedded SQLite).
 demo: install
 	$(BIN)/attestmesh demo
 
 ## Install the test extras and run every gate: ruff, mypy --strict, the import-layer contracts
-## (lint-imports, [tool.importlinter] in pyproject.toml), pytest (warnings are errors).
-test: install-test lint typecheck imports pytest
+## (lint-imports, [tool.importlinter] in pyproject.toml), pytest (warnings are errors), against
+## the compiled ADS hot path (make native) that the control plane runs.
+test: install-test native lint typecheck imports pytest
 
 lint:
 	$(BIN)/ruff check .
@@ -39,8 +45,9 @@ pytest:
 ## Every benchmark; bench_scale drives a real control plane at N=1,000 and 10,000
 ## (BENCH_SCALE_ARGS=--quick: a smoke run at N=200).
 BENCH_SCALE_ARGS ?= --n 1000,10000
-bench: install-test
+bench: install-test native
 	BENCH_SCALE_ARGS="$(BENCH_SCALE_ARGS)" $(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build/native
+	rm -f xds/*.so xds/_compiled.json

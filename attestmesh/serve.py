@@ -62,6 +62,7 @@ from certs.keystore import open_key_store
 from certs.offload import VerifierRecipe, configured_verifiers
 from certs.policy import parse_policies
 from sidecar.agent import EvidenceSource
+from xds import native as xds_native
 from xds.adsconn import LeanAds
 from xds.cache import SnapshotCache
 from xds.meshpolicy import parse_mesh_policies
@@ -939,12 +940,14 @@ async def _run_control_plane(
                     settings.host, lim, on_refused, kbs_tls,
                 )  # fmt: skip
             log.info(
-                "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d",
+                "control plane up: api https://%s:%d xds %s:%d ops http://127.0.0.1:%d; "
+                "ADS hot path: %s",
                 settings.host,
                 settings.api_port,
                 settings.host,
                 settings.xds_port,
                 settings.ops_port,
+                xds_native.mode,
             )
             _start_processes(cp, metrics)
             if ready is not None:

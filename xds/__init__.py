@@ -13,3 +13,11 @@ Adapters: ``xds.cache`` and ``xds.publisher`` (state -> per-node snapshots), ``x
 ``xds.registrations`` (registration files). ``xds`` may import ``certs``, never ``sidecar`` or
 the composition root ``attestmesh``.
 """
+
+import os as _os
+from pathlib import Path as _Path
+
+from xds import native as _native
+
+# the modules `make native` compiled run only while they match their sources (xds.native)
+_native.activate(_Path(__file__).parent, _os.environ)

@@ -47,6 +47,7 @@ from typing import Protocol
 
 import hpack
 import hpack.exceptions
+from mypy_extensions import mypyc_attr
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -192,6 +193,7 @@ GRPC_RESPONSE_HEADERS = encode_headers(
 )
 
 
+@mypyc_attr(native_class=False)  # (make native, xds.native: a native class cannot subclass list)
 class _Entries(list[tuple[bytes, bytes]]):
     """The HPACK decoder's dynamic table (hpack's ``HeaderTable.dynamic_entries``: indexing,
     ``appendleft``, ``pop``, ``clear``, iteration) as a list: a deque costs 760 bytes per

@@ -69,6 +69,7 @@ from typing import Any, Protocol, TypeVar
 import grpclib.const
 import grpclib.server
 from grpclib.exceptions import GRPCError, StreamTerminatedError
+from mypy_extensions import mypyc_attr
 from pydantic.warnings import PydanticDeprecatedSince212
 
 from xds import pb, sync_status
@@ -300,6 +301,7 @@ def _due_of(st: _DeltaType) -> set[str]:
     return due
 
 
+@mypyc_attr(native_class=False)  # (make native, xds.native: a weak reference's target)
 class _Point:
     """Where explicitly subscribed streams stand for one type: subscribed to ``names``, holding
     the version of each of those names in ``mapping`` (the snapshot's shared per-type mapping
