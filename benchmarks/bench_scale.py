@@ -516,6 +516,9 @@ class MeshRun:
             return False
         log(f"N={self.n}: restart with {self.n} attested workloads in the store")
         f.set("startup_cpu_s", await self.cp.start(self.s.phase_timeout))
+        hot = hot_path(self.d / "controlplane.log")
+        log(f"N={self.n}: the control plane's ADS hot path: {hot}")
+        f.notes.append(f"the control plane's ADS hot path (xds.native): {hot}")
         return f.values["startup_cpu_s"] != TIMEOUT
 
     def cert_holder(self, w: Workload) -> str:
@@ -982,6 +985,17 @@ async def quarantine_floor(n: int, s: Settings, f: Figures) -> None:
     ours = f.values.get("quarantine_cpu_s")
     if isinstance(ours, float) and cpu > 0:
         f.set("quarantine_floor_ratio", ours / cpu)
+
+
+def hot_path(log_file: Path) -> str:
+    """What the control plane's last start-up line says of its ADS hot path (``make native``:
+    compiled, or why the sources ran)."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return "unknown (no control-plane log)"
+    said = [line.split("ADS hot path: ", 1)[1] for line in lines if "ADS hot path: " in line]
+    return said[-1] if said else "unknown (not in the control-plane log)"
 
 
 async def run_bao(s: Settings, f: Figures, name: str = "openbao") -> None:
