@@ -719,8 +719,9 @@ class ChangeFeed:
         for done in waiting:
             with contextlib.suppress(RuntimeError):  # the waiting loop is closed: shutting down
                 done()
-        with self._lock:  # asked for while this read ran: read again at once
-            return 0.0 if self._waiting else self._poll
+        # (those asked for while this read ran wait for the next one, on a notification or
+        # the poll: reading again at once for them would let requests set the read rate)
+        return self._poll
 
     def _lost(self, exc: psycopg.Error) -> None:
         if self.connected:
