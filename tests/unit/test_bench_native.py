@@ -1,0 +1,24 @@
+"""bench_native reads bench_quarantine's median and summarises pairs of runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_native import quarantine_median, summary
+
+
+def test_the_median_is_read_from_the_last_line() -> None:
+    out = (
+        "  [20:04:14] quarantine w1: CPU 0.308 s (62 us per caller; ...)\n"
+        "N=10000 quarantine CPU s: median 0.307 (61 us per caller) of [0.308, 0.282] (workdir x)\n"
+    )
+    assert quarantine_median(out) == 0.307
+    with pytest.raises(ValueError, match="no median"):
+        quarantine_median("the control plane did not start\n")
+
+
+def test_the_summary_pairs_the_runs() -> None:
+    text = summary([(0.40, 0.30), (0.36, 0.38), (0.35, 0.28)])
+    assert "sources 0.360 s, compiled 0.300 s" in text
+    assert "median of the pairs 0.80x (lower in 2 of 3)" in text
+    assert "best runs 0.350 -> 0.280 s" in text
