@@ -103,7 +103,10 @@ def activate(package_dir: Path, env: Mapping[str, str]) -> str:
     extension module is there to shadow them). Once per process: the package's first import."""
     global mode
     mode = decide(package_dir, env)
-    shadowed = bool(_built(package_dir, COMPILED))
-    if shadowed and mode != "compiled" and not any(isinstance(f, _Sources) for f in sys.meta_path):
+    if (
+        mode != "compiled"
+        and _built(package_dir, COMPILED)
+        and not any(isinstance(f, _Sources) for f in sys.meta_path)
+    ):
         sys.meta_path.insert(0, _Sources(package_dir, COMPILED))
     return mode
