@@ -7,6 +7,7 @@ share it; a replica whose feed does not read refuses once the wait is up."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import psycopg
 import pytest
 
 from attestmesh.controlplane import service
+from certs.issuance import IdentityError
 from certs.standing import UnknownWorkloadError
 from tests.pg.replicas import Replica
 from tests.unit.fixtures_core import NOW, Clock, registration
@@ -40,11 +42,11 @@ def _waits(r: Replica, result: str) -> float:
     return r.metrics.unknown_names.labels(result)._value.get()
 
 
-async def test_an_agent_ahead_of_the_feed_is_served(two: tuple[Replica, Replica]) -> None:
-    a, b = two
-    feed = b.feed
+def _hold_deliveries(r: Replica) -> threading.Event:
+    """``r``'s feed holds what it reads until the returned event is set (as a feed a moment
+    behind would)."""
+    feed = r.feed
     assert feed is not None
-    # B's feed holds what it read until the agent waits (as a feed a moment behind would)
     gate = threading.Event()
     deliver = feed._deliver
 
@@ -53,6 +55,12 @@ async def test_an_agent_ahead_of_the_feed_is_served(two: tuple[Replica, Replica]
         return deliver(changes)
 
     feed._deliver = held
+    return gate
+
+
+async def test_an_agent_ahead_of_the_feed_is_served(two: tuple[Replica, Replica]) -> None:
+    a, b = two
+    gate = _hold_deliveries(b)  # until the agent waits
     await a.register([registration("web-1")])
     assert "web-1" not in b.cp.state.workloads
     served = asyncio.ensure_future(b.attest("web-1"))
@@ -121,3 +129,24 @@ async def test_a_reconnecting_feed_serves_the_wait_when_it_reads_again(
     assert issued.serial > 0
     assert feed.reconnects >= 1
     assert _waits(b, "found") + _waits(b, "unknown") + _waits(b, "feed_unavailable") <= 1
+
+
+async def test_a_row_found_after_the_wait_still_checks_the_caller(
+    two: tuple[Replica, Replica],
+) -> None:
+    # the wait finds the row; it does not stand in for the identity check: a caller with the
+    # wrong join token is refused, the right one served
+    a, b = two
+    digest = hashlib.sha256(b"join-token").hexdigest()
+    gate = _hold_deliveries(b)
+    await a.register([registration("web-4", token_sha256=digest)])
+    guessed = asyncio.ensure_future(b.cp.attest(b.request("web-4"), "guessed"))
+    await asyncio.sleep(0.05)
+    assert not guessed.done()  # waiting for the feed
+    gate.set()
+    with pytest.raises(IdentityError):
+        await asyncio.wait_for(guessed, 10)
+    assert _waits(b, "found") == 1
+    assert b.cp.status_of("web-4") is Status.PENDING
+    issued = await b.cp.attest(b.request("web-4"), "join-token")
+    assert issued.serial > 0
