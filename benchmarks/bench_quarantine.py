@@ -1,14 +1,22 @@
 """Focused driver for bench_scale's quarantine figure (phase 3): one real control plane with N
 attested workloads and N mTLS ADS streams (bench_scale's scenario, no real Envoys), then the
-members of ``target`` (w1, w3, w5, w7) quarantined in turn through the ops API (from the fifth
-round on, each released and attested again first), each round measured as bench_scale measures
-it: control-plane CPU until every caller stream (N/2) has ACKed a response without that
-member's endpoint. Prints each round and the median.
+members of ``target`` (w1, w3, w5, w7) quarantined in turn through the ops API, each released
+and attested again after its round (unmeasured), so that every round quarantines one member of
+four, as bench_scale does; each round measured as bench_scale measures it: control-plane CPU
+until every caller stream (N/2) has ACKed a response without that member's endpoint. Prints
+each round and the median.
+
+(Until 2026-12-07 the members stayed quarantined until the fifth round: the fourth round and
+every round after it quarantined the service's last attested member, a dearer case: the
+callers' cluster then pins no identity any more, so every caller's cluster changes too and is
+patched into its snapshot (at N = 10,000, 0.33-0.40 s against 0.27-0.29 s for the other
+rounds). The median of the default 8 rounds was that case's.)
 
 Run: ``python -m benchmarks.bench_quarantine --n 2000`` (``--py-spy DIR``: the last round is
 profiled with py-spy into ``DIR/quarantine-<round>-<victim>.txt``, folded stacks, and left out of
-the median; ``--py-spy-rounds K``: the last K rounds; ``--controlplane-cmd``: the executable
-under test, as in bench_scale).
+the median; ``--py-spy-rounds K``: the last K rounds; ``--py-spy-native``: with C frames, the
+compiled ADS path by function; ``--controlplane-cmd``: the executable under test, as in
+bench_scale).
 
 ``--in-process``: no process, no streams: the publisher's part of one quarantine, timed in
 this process. bench_scale's mesh of N workloads (N/2 callers of ``target``, whose members are
@@ -64,17 +72,13 @@ async def rounds(
     count: int,
     profiled_rounds: int = 1,
     rate: int = 500,
+    native: bool = False,
 ) -> list[float]:
     members = [w for w in run.mesh if w.name in {f"w{2 * k + 1}" for k in range(TARGET_MEMBERS)}]
     cpus: list[float] = []
     for k in range(count):
         victim = members[k % len(members)]
         profiled = py_spy is not None and k >= count - profiled_rounds
-        if k >= len(members):  # released and attested again: its endpoint is back
-            await run.cp.ops(session, "POST", f"/v1/admin/workloads/{victim.name}/release", {})
-            ok = await run.attest([{"workload": victim.name, "token": victim.token}], 1, 1, 60)
-            if ok != 1:
-                raise SystemExit(f"{victim.name} did not attest again")
         # (the coalesced CRL fan-out to the streams that deny the victim anyway comes
         # serve.TRUST_FANOUT_DELAY after the first quarantine: in one round's window at most,
         # which the median absorbs)
@@ -82,7 +86,7 @@ async def rounds(
         await asyncio.gather(*(w.call(mark) for w in run.ads))
         meter = run.cp.meter()
         await meter.settle()
-        prof = Profiler(py_spy if profiled else None, rate=rate)
+        prof = Profiler(py_spy if profiled else None, rate=rate, native=native)
         async with prof.phase(run.cp.pid, f"quarantine-{k}-{victim.name}"):
             cpu0, us0 = meter.sample(), user_sys(run.cp.pid)
             t0 = time.monotonic()
@@ -108,6 +112,11 @@ async def rounds(
         )
         if not profiled:
             cpus.append(cpu)
+        if k < count - 1:  # released and attested again: its endpoint is back for the next
+            await run.cp.ops(session, "POST", f"/v1/admin/workloads/{victim.name}/release", {})
+            ok = await run.attest([{"workload": victim.name, "token": victim.token}], 1, 1, 60)
+            if ok != 1:
+                raise SystemExit(f"{victim.name} did not attest again")
     return cpus
 
 
@@ -140,7 +149,13 @@ async def amain(args: argparse.Namespace) -> None:
                 raise SystemExit(f"setup failed: {f.notes}")
             log(f"N={args.n}: {f.values}")
             cpus = await rounds(
-                run, session, args.py_spy, args.rounds, args.py_spy_rounds, args.py_spy_rate
+                run,
+                session,
+                args.py_spy,
+                args.rounds,
+                args.py_spy_rounds,
+                args.py_spy_rate,
+                args.py_spy_native,
             )
     finally:
         await run.close_workers()
@@ -268,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy", type=Path, help="profile the last round into this directory")
     p.add_argument("--py-spy-rounds", type=int, default=1, help="the last K rounds profiled")
     p.add_argument("--py-spy-rate", type=int, default=500, help="samples per second")
+    p.add_argument(
+        "--py-spy-native", action="store_true", help="with C frames (py-spy --native; slower)"
+    )
     p.add_argument("--workdir", type=Path)
     p.add_argument("--in-process", action="store_true", help="the publisher's part alone")
     args = p.parse_args(argv)

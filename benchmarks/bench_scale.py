@@ -375,6 +375,7 @@ class Settings:
     py_spy: Path | None = None  # profile the control plane's phases into this directory
     py_spy_phases: frozenset[str] | None = None  # which (None: streams, quarantine, first...)
     py_spy_gil: bool = False  # sample only the thread holding the GIL (py-spy --gil)
+    py_spy_native: bool = False  # with C frames (py-spy --native)
 
 
 def log(msg: str) -> None:
@@ -950,7 +951,9 @@ async def run_mesh(
         async with aiohttp.ClientSession() as session:
             if not await _phase(f, "setup", run.setup(f)):
                 return f
-            prof = Profiler(s.py_spy, phases=s.py_spy_phases, gil=s.py_spy_gil)
+            prof = Profiler(
+                s.py_spy, phases=s.py_spy_phases, gil=s.py_spy_gil, native=s.py_spy_native
+            )
             async with prof.phase(run.cp.pid, f"n{n}-streams"):
                 if not await _phase(f, "streams", run.open_streams(f, run.lean)):
                     return f
@@ -1173,6 +1176,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="sample only the thread holding the GIL (py-spy --gil): without it, a thread "
         "waiting for the GIL inside a C call counts as busy",
     )
+    p.add_argument(
+        "--py-spy-native",
+        action="store_true",
+        help="with C frames (py-spy --native): the compiled ADS path by function, OpenSSL, "
+        "the collector; the profiled phases run several times slower",
+    )
     p.add_argument("--no-openbao", action="store_true", help="skip OpenBao (ratios are missing)")
     p.add_argument("--workdir", type=Path, help="keep state and logs here (default: temp)")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -1212,6 +1221,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             py_spy=args.py_spy,
             py_spy_phases=frozenset(args.py_spy_phases.split(",")) if args.py_spy_phases else None,
             py_spy_gil=args.py_spy_gil,
+            py_spy_native=args.py_spy_native,
         )
         sim_key, sim_pub = write_sim_platform(workdir)
         print(

@@ -292,11 +292,16 @@ class Profiler:
         rate: int = 250,
         phases: frozenset[str] | None = None,
         gil: bool = False,
+        native: bool = False,
     ) -> None:
         self.out_dir = out_dir
         self.rate = rate
         self.phases = phases  # None: every phase asked for
         self.gil = gil  # only the thread holding the GIL (py-spy --gil)
+        # with C frames (py-spy --native): the compiled ADS path (xds.native) shows as
+        # CPyDef_<module>___<Class>___<method> frames instead of one opaque call; each sample
+        # costs far more, so the phase runs several times slower (compare shares, not times)
+        self.native = native
 
     @contextlib.asynccontextmanager
     async def phase(self, pid: int, name: str) -> Any:
@@ -314,6 +319,7 @@ class Profiler:
             proc = await asyncio.create_subprocess_exec(
                 str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate",
                 str(self.rate), "--subprocesses", *(["--gil"] if self.gil else []),
+                *(["--native"] if self.native else []),
                 "-o", str(self.out_dir / f"{name}.txt"),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
             )  # fmt: skip
