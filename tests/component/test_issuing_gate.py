@@ -5,6 +5,7 @@ refused when its turn comes, unverified and unsigned. Waiting for the store hold
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,13 @@ import pytest
 from attestmesh.controlplane import AttestationLimiter, service
 from certs.standing import QuarantinedError
 from tests.component.test_review_nonce import PLATFORM, HeldStore, request
+from tests.polling import until
 from tests.unit.fixtures_core import NOW, Clock, make_control_plane, registration
 from xds.state import Status, Trigger
 
+_until = partial(until, within=20)
+
 EXTRA = 4
-
-
-async def _until(predicate: Any) -> None:
-    async with asyncio.timeout(20):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def _plane(tmp_path: Path) -> tuple[Any, list[Any]]:

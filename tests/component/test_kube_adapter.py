@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from certs.policy import AttestationPolicy, parse_policies
 from tests.fakekube import FakeKube
+from tests.polling import until
 from xds.kube import (
     TAINT_PLATFORM_UNTRUSTED,
     KubeClient,
@@ -40,6 +42,8 @@ from xds.meshpolicy import MeshPolicy
 from xds.state import (
     Registration,
 )
+
+eventually = partial(until, every=0.02)
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -90,12 +94,6 @@ def pod_obj(name: str, ns: str = "shop", ip: str = "10.1.0.5", node: str = "n1")
         },
         "status": {"phase": "Running", "podIP": ip},
     }
-
-
-async def eventually(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5.0):
-        while not check():
-            await asyncio.sleep(0.02)
 
 
 # --- TokenReview ------------------------------------------------------------------------------

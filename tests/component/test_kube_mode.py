@@ -7,11 +7,11 @@ actions). The control plane is set up by tests/kube_real/plane.py for both."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,11 @@ from tests.kube_real.plane import (
     sim_key_file,
     snapshot_of,
 )
+from tests.polling import until
 from tests.unit.xds.test_xds_build import endpoints
 from xds.state import Endpoint, Event, EventKind, MeshState, Registration, Status, Trigger, register
+
+eventually = partial(until, every=0.02)
 
 __all__ = ["BAD", "GOOD", "PLATFORM"]  # shared with the other fake-server tests
 
@@ -103,12 +106,6 @@ def pod_obj(name: str = "web-0", ip: str = "10.1.0.5") -> dict[str, Any]:
         },
         "status": {"phase": "Running", "podIP": ip},
     }
-
-
-async def eventually(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5.0):
-        while not check():
-            await asyncio.sleep(0.02)
 
 
 async def seed(kube: FakeKube, *policies: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ import pytest
 import trustme
 
 from attestmesh.listen import CloseReason, Listener, ListenLimits, start_h2
+from tests.polling import until
 
 # far more than the socket buffers hold: the server's send buffer autotunes up to
 # net.ipv4.tcp_wmem's maximum (4 MiB here), and the client's receive buffer is kept small
@@ -140,12 +141,6 @@ def reading(writer: asyncio.StreamWriter, on: bool) -> None:
     transport = writer.transport
     assert isinstance(transport, asyncio.Transport)
     transport.resume_reading() if on else transport.pause_reading()
-
-
-async def until(check: Callable[[], bool], within: float = 5.0) -> None:
-    async with asyncio.timeout(within):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 def test_the_cpython_seam_exists() -> None:

@@ -9,8 +9,9 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from certs.ca import CertificateAuthority
 from certs.evidence.claims import Claims, Collateral, Tee, Verifier
 from certs.evidence.sim import SimVerifier, load_platform_public_key
 from certs.issuance import AttestRequest, EvidenceRejected
+from tests.polling import until
 from tests.unit.fixtures_core import (
     MEASUREMENT,
     NOW,
@@ -36,6 +38,8 @@ from tests.unit.fixtures_core import (
 )
 from tests.unit.test_offload import NONCE, PLATFORM, PLATFORM_PEM, POLICIES, SPIFFE, sim_request
 from xds.state import Status
+
+_until = partial(until, within=60.0, every=0.02)
 
 RECIPE = offload.VerifierRecipe(offload.configured_verifiers, (None, (PLATFORM_PEM,)))
 
@@ -87,13 +91,6 @@ def _attest(cp: Any, measurement: bytes = MEASUREMENT) -> Any:
     """``cp.attest`` of web-1 with fresh sim evidence bound to a challenge's nonce."""
     nonce, _ = cp.challenge()
     return cp.attest(sim_request(measurement, nonce=nonce), None)
-
-
-async def _until(cond: Callable[[], bool], within: float = 60.0) -> None:
-    end = time.monotonic() + within
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

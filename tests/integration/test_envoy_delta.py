@@ -45,6 +45,7 @@ from tests.integration.test_envoy_mtls import (
     wait_for_200,
     wait_for_status,
 )
+from tests.polling import until_awaited as eventually
 from xds import pb
 from xds.build import Packer, Snapshot, TrustMaterial, build_snapshots
 from xds.cache import SnapshotCache
@@ -198,13 +199,6 @@ async def mesh(tmp_path: Path) -> AsyncIterator[DeltaMesh]:
     """Both Envoys configured over delta ADS by an in-process control plane."""
     async with _in_process(tmp_path) as m:
         yield m
-
-
-async def eventually(check: Any, within: float = 5.0) -> None:
-    """Poll the async predicate ``check`` until it holds."""
-    async with asyncio.timeout(within):
-        while not await check():
-            await asyncio.sleep(0.01)
 
 
 async def stat(envoy: EnvoyProcess, name: str) -> int:

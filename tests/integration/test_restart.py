@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +23,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from attestmesh.demo import NAMES, call, free_port, join_token, sidecar, write_config
 from attestmesh.serve import ControlPlaneSettings
 from sidecar.agent import Agent, client_ssl_context
+from tests.polling import until_awaited
+
+eventually = partial(until_awaited, within=15.0, every=0.02)
 
 pytestmark = pytest.mark.integration
 
@@ -68,12 +72,6 @@ class ControlPlaneProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-async def eventually(check: object, timeout_s: float = 15.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await check():  # type: ignore[operator]
-            await asyncio.sleep(0.02)
 
 
 def sim_mesh_config(

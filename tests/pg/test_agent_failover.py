@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -19,8 +20,11 @@ from attestmesh.demo import free_port as free_port  # one port picker (see there
 from sidecar.agent import Agent, AgentError, SimEvidenceSource, client_ssl_context
 from tests.component.test_agent import RecordingSink, _server_tls
 from tests.pg.replicas import PLATFORM, Replica
+from tests.polling import until
 from tests.unit.fixtures_core import MEASUREMENT, Clock, registration
 from xds.state import Status, Trigger
+
+until = partial(until, within=10)
 
 pytestmark = pytest.mark.integration
 
@@ -81,12 +85,6 @@ async def two(pg_url: str, tmp_path: Path) -> AsyncIterator[tuple[Served, Served
         await sb.stop()
         a.close()
         b.close()
-
-
-async def until(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(10):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 async def test_an_outage_moves_the_agent_on_and_a_refusal_does_not(

@@ -6,7 +6,6 @@ leader lock is refused; when the leader dies the next one signs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from cryptography import x509
 
 from attestmesh.replication import CrlSigner
 from certs.ca import CertificateAuthority
+from tests.polling import until_blocking as until
 from tests.unit.fixtures_core import NOW, TRUST_DOMAIN
 from tests.unit.xds.test_store_batch import rev
 from xds.store import Batch
@@ -24,13 +24,6 @@ from xds.store_pg import Leadership, PostgresStore, read_crl, store_crl
 pytestmark = pytest.mark.integration
 
 VALIDITY = timedelta(hours=24)
-
-
-def until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def listed(pem: bytes | None) -> set[int] | None:
@@ -199,7 +192,7 @@ def test_a_revocation_right_after_a_signature_waits_out_the_interval_not_a_poll(
         start = time.monotonic()
         follower.store.write(Batch(revoked=(rev(303, "soon-after"),)))
         # (the database may hold the other tests' revocations too)
-        until(lambda: 303 in (listed(follower.signer.current()) or ()), timeout=10)
+        until(lambda: 303 in (listed(follower.signer.current()) or ()), within=10)
         took = time.monotonic() - start
         assert took < 3.0, took  # <= the rest of the 1 s interval + settle + the follower's read
         assert leader.signer.signed == 2 and follower.signer.signed == 0

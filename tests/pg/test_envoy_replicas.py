@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import subprocess
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -28,14 +28,11 @@ from sidecar.bootstrap import ControlPlaneAddress, XdsTls, build_bootstrap
 from sidecar.envoy_proc import EnvoyProcess
 from sidecar.sds import LocalSds, start_sds
 from tests.pg.test_controlplane_pg import cli, start
+from tests.polling import until_awaited
+
+eventually = partial(until_awaited, within=30.0, every=0.05)
 
 pytestmark = pytest.mark.integration
-
-
-async def eventually(check: object, within: float = 30.0) -> None:
-    async with asyncio.timeout(within):
-        while not await check():  # type: ignore[operator]
-            await asyncio.sleep(0.05)
 
 
 async def streams(session: aiohttp.ClientSession, s: ControlPlaneSettings) -> float:

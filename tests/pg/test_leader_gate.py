@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 
+from tests.polling import until_blocking as until
 from xds.store_pg import Leadership
 
 pytestmark = pytest.mark.integration
-
-
-def until(predicate: Callable[[], object], timeout: float = 10.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, "timed out"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def test_the_lock_follows_eligibility(pg_url: str) -> None:
@@ -70,9 +62,9 @@ def test_a_frozen_leader_loses_the_lock_and_stops_acting_first(pg_url: str) -> N
         time.sleep(0.6)
         assert a.leading and not b.is_leader
         frozen.set()
-        until(lambda: not a.leading, timeout=2.0)  # stops acting within two intervals
+        until(lambda: not a.leading, within=2.0)  # stops acting within two intervals
         assert not b.is_leader
-        until(lambda: b.leading, timeout=15.0)  # the server ended A's session (5 s)
+        until(lambda: b.leading, within=15.0)  # the server ended A's session (5 s)
         assert not a.leading  # never two acting at once
         thaw.set()  # A wakes up: its session is gone, it finds B leading and follows
         until(lambda: not a.is_leader)

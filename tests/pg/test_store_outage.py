@@ -10,6 +10,7 @@ import contextlib
 import threading
 import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,17 +20,14 @@ from attestmesh.serve import build_ops_app
 from certs.errors import AttestmeshError
 from tests.pg.replicas import Replica
 from tests.pg_harness import PgCluster
+from tests.polling import until
 from tests.unit.fixtures_core import NOW, Clock, registration
+
+eventually = partial(until, within=20, every=0.02)
 
 pytestmark = pytest.mark.integration
 
 STOPS_ISSUING_WITHIN_S = 5.0
-
-
-async def eventually(check: object, within: float = 20) -> None:
-    async with asyncio.timeout(within):
-        while not check():  # type: ignore[operator]
-            await asyncio.sleep(0.02)
 
 
 async def test_a_postgresql_restart_under_load_loses_nothing_acknowledged(

@@ -30,6 +30,7 @@ from cryptography.utils import CryptographyDeprecationWarning
 
 from attestmesh import listen
 from attestmesh.listen import CloseReason, Listener, ListenLimits, start_h2
+from tests.polling import until
 from tests.unit.test_adsconn_identity import _cert
 from xds.adsconn import identity_of
 from xds.server import PeerIdentity
@@ -166,12 +167,6 @@ async def tls_client(ca: trustme.CA, port: int, cert: bool = False) -> ssl.SSLSo
         return client_context(ca, cert).wrap_socket(raw, server_hostname="localhost")
 
     return await asyncio.get_running_loop().run_in_executor(None, connect)
-
-
-async def until(check: Callable[[], bool], within: float = 5.0) -> None:
-    async with asyncio.timeout(within):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 def open_fds() -> int:
