@@ -22,9 +22,10 @@ bench_scale).
 this process. bench_scale's mesh of N workloads (N/2 callers of ``target``, whose members are
 w1, w3, w5, w7) is published, every node's snapshot is held (as its stream holds it), and w1
 is quarantined (with a new CRL) and released and attested again in turn: each ``publish``
-patches the N/2 held caller snapshots, then the coalesced CRL fan-out
-patches every held snapshot. Prints the CPU time of both (median, and the minimum: the machine
-is shared), per quarantine and per snapshot patched.
+wakes the N/2 held callers (their endpoints and the CRL are read through layers: nothing of
+theirs is patched), then the coalesced CRL fan-out wakes every other held node. Prints the
+CPU time of both (median, and the minimum: the machine is shared), per quarantine and per
+node woken.
 """
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ def in_process(n: int, count: int) -> None:
         t0 = time.thread_time()  # CPU time: the machine is shared, wall time is noisier
         pub.publish(quarantined, policies, crl, {"w1"})
         times.append(time.thread_time() - t0)
-        if pub.patched_nodes != len(callers):
-            raise SystemExit(f"patched {pub.patched_nodes} of {len(callers)} callers")
+        if pub.woken_nodes != len(callers):
+            raise SystemExit(f"woke {pub.woken_nodes} of {len(callers)} callers")
         t0 = time.thread_time()
         for fanout in deferred:  # the coalesced CRL fan-out, a moment later
             fanout()
@@ -264,10 +265,10 @@ def in_process(n: int, count: int) -> None:
         deferred.clear()
     med, fan = statistics.median(times), statistics.median(fanouts)
     print(
-        f"N={n} in process: publish of one quarantine, {len(callers)} held caller snapshots, CPU: "
+        f"N={n} in process: publish of one quarantine, {len(callers)} held callers, CPU: "
         f"median {1e3 * med:.1f} ms ({1e6 * med / len(callers):.2f} us per caller; "
         f"min {1e6 * min(times) / len(callers):.2f}) of {count}: "
-        f"{[round(1e3 * t, 1) for t in times]}; its CRL fan-out to {others} other held snapshots: "
+        f"{[round(1e3 * t, 1) for t in times]}; its CRL fan-out to {others} other held nodes: "
         f"median {1e3 * fan:.1f} ms ({1e6 * fan / others:.2f} us per node; "
         f"min {1e6 * min(fanouts) / others:.2f})",
         flush=True,

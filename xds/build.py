@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
@@ -225,31 +225,106 @@ def _merge(
     return _frozen(t, {**current, **update})
 
 
+class Layer:
+    """One resource mapping that many nodes' snapshots read instead of holding: the endpoints
+    of every caller of the same services from the same namespace (a group), the trust secret
+    (every node). What it is built from changes -> it takes the new mapping (interned: equal
+    contents, one object) and version as a whole, once, and every snapshot that reads it sees
+    them: a change of a shared resource costs a wake per stream, not a patched snapshot per
+    node (the publisher wakes whom the change concerns, as it did when it patched them).
+
+    A snapshot stays consistent: a layer carries whole resource sets of one type whose names
+    never change (a group's outbound services are part of its key; the trust secret's one
+    name), so the names the node's other resources reference are always there."""
+
+    __slots__ = ("mapping", "version")
+
+    def __init__(self, mapping: Mapping[str, bytes], version: str) -> None:
+        self.mapping = mapping
+        self.version = version
+
+    def set(self, mapping: Mapping[str, bytes], version: str) -> bool:
+        """Take ``mapping`` (an interned one: ``_frozen``); False if it is the one held."""
+        if mapping is self.mapping:
+            return False
+        self.mapping, self.version = mapping, version
+        return True
+
+
+_V2 = TypeVar("_V2")
+
+
+class _Layered(Mapping[TypeUrl, _V2]):
+    """A snapshot's per-type mapping (its resources, or its versions) with some types read
+    through layers: the node's own values, and the layers' current ones."""
+
+    __slots__ = ("_layers", "_versions", "own")
+
+    def __init__(
+        self, own: Mapping[TypeUrl, _V2], layers: Mapping[TypeUrl, Layer], versions: bool
+    ) -> None:
+        self.own = own
+        self._layers = layers
+        self._versions = versions
+
+    def _layer_value(self, layer: Layer) -> _V2:
+        return layer.version if self._versions else layer.mapping  # type: ignore[return-value]
+
+    def __getitem__(self, t: TypeUrl) -> _V2:
+        layer = self._layers.get(t)
+        return self.own[t] if layer is None else self._layer_value(layer)
+
+    def get(self, t: TypeUrl, default: object = None) -> object:  # type: ignore[override]
+        layer = self._layers.get(t)
+        return self.own.get(t, default) if layer is None else self._layer_value(layer)
+
+    def __contains__(self, t: object) -> bool:
+        return t in self._layers or t in self.own
+
+    def __iter__(self) -> Iterator[TypeUrl]:
+        return (t for t in TypeUrl if t in self._layers or t in self.own)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+_NO_LAYERS: Mapping[TypeUrl, Layer] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """An immutable, versioned set of one node's resources, per type: name -> packed Any bytes.
 
     ``references`` lists, per referenced type (EDS, RDS), the names the other resources use;
     ``consistent()`` holds when every one of them is present. Versions are content hashes.
+    ``layers``: types the snapshot reads through a :class:`Layer` shared with other nodes
+    (their resources and versions are the layer's current ones); the rest is the node's own.
     """
 
     resources: Mapping[TypeUrl, Mapping[str, bytes]]
     references: Mapping[TypeUrl, frozenset[str]] = field(default_factory=dict)
     versions: Mapping[TypeUrl, str] = field(default_factory=dict)
+    layers: Mapping[TypeUrl, Layer] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(
         cls,
         resources: Mapping[TypeUrl, Mapping[str, bytes]],
         references: Mapping[TypeUrl, frozenset[str]] | None = None,
+        layers: Mapping[TypeUrl, Layer] | None = None,
     ) -> Snapshot:
         frozen: dict[TypeUrl, Mapping[str, bytes]] = {}
         versions: dict[TypeUrl, str] = {}
         for t in TypeUrl:
-            frozen[t], versions[t] = _frozen(t, resources.get(t, _NO_RESOURCES))
+            if layers is None or t not in layers:
+                frozen[t], versions[t] = _frozen(t, resources.get(t, _NO_RESOURCES))
         if not isinstance(references, MappingProxyType):  # a read-only one is shared as is
             references = MappingProxyType(dict(references or {}))
-        return cls(MappingProxyType(frozen), references, MappingProxyType(versions))
+        if not layers:
+            return cls(MappingProxyType(frozen), references, MappingProxyType(versions))
+        return _new_snapshot(
+            MappingProxyType(frozen), references, MappingProxyType(versions), layers
+        )
 
     def patched(self, changes: Mapping[TypeUrl, Mapping[str, bytes]]) -> Snapshot:
         """This snapshot with existing resources replaced (names and references unchanged):
@@ -258,8 +333,15 @@ class Snapshot:
         dicts, not a rebuild. Returns ``self`` when nothing differs."""
         resources: dict[TypeUrl, Mapping[str, bytes]] | None = None
         versions: dict[TypeUrl, str] | None = None
-        held = self.resources
+        layers = self.layers
+        held, own_versions = (
+            (self.resources, self.versions)
+            if not layers
+            else (self.resources.own, self.versions.own)  # type: ignore[attr-defined]
+        )
         for t, replacement in changes.items():
+            if t in layers:
+                continue  # read through its layer: a change there reached it already
             current = held[t]
             if t in _SHARED_TYPES:
                 # nodes that hold the same shared mapping (every caller of a service holds one
@@ -282,13 +364,13 @@ class Snapshot:
             if merged is None:
                 continue
             if resources is None or versions is None:
-                resources, versions = _copied(held), _copied(self.versions)
+                resources, versions = _copied(held), _copied(own_versions)
             resources[t] = merged
             versions[t] = version
         if resources is None or versions is None:
             return self
         return _new_snapshot(
-            MappingProxyType(resources), self.references, MappingProxyType(versions)
+            MappingProxyType(resources), self.references, MappingProxyType(versions), layers
         )
 
     def version(self, type_url: TypeUrl) -> str:
@@ -313,19 +395,26 @@ class Snapshot:
 _set_resources = Snapshot.__dict__["resources"].__set__
 _set_references = Snapshot.__dict__["references"].__set__
 _set_versions = Snapshot.__dict__["versions"].__set__
+_set_layers = Snapshot.__dict__["layers"].__set__
 
 
 def _new_snapshot(
     resources: Mapping[TypeUrl, Mapping[str, bytes]],
     references: Mapping[TypeUrl, frozenset[str]],
     versions: Mapping[TypeUrl, str],
+    layers: Mapping[TypeUrl, Layer] = _NO_LAYERS,
 ) -> Snapshot:
-    """``Snapshot(resources, references, versions)`` without the frozen dataclass's
-    ``__init__`` (an ``object.__setattr__`` per field: ~1 us, a third of a patch per node)."""
+    """``Snapshot(resources, references, versions, layers)`` without the frozen dataclass's
+    ``__init__`` (an ``object.__setattr__`` per field: ~1 us, a third of a patch per node);
+    ``resources`` and ``versions`` are the node's own, read through ``layers`` if any."""
     snapshot = object.__new__(Snapshot)
+    if layers:
+        resources = _Layered(resources, layers, False)
+        versions = _Layered(versions, layers, True)
     _set_resources(snapshot, resources)
     _set_references(snapshot, references)
     _set_versions(snapshot, versions)
+    _set_layers(snapshot, layers)
     return snapshot
 
 
@@ -703,6 +792,11 @@ def build_inbound_routes(permissions: Sequence[Permission]) -> RouteConfiguratio
 # the snapshot
 
 
+_Group = tuple[str, tuple[str, ...], bool]
+"""Callers that read one endpoints layer: namespace, outbound services as spelled (sorted),
+attested."""
+
+
 class SharedResources:
     """Resources many nodes share, built and serialised once and reused until what they are
     built from changes: a service's outbound cluster (its members' identities) and endpoints,
@@ -730,11 +824,69 @@ class SharedResources:
         self._endpoints: dict[ServiceKey, dict[str, bytes]] = {}
         self._routes: dict[Identity, bytes] = {}
         self._trust: bytes | None = None
+        # the endpoints layers, one per group of callers (namespace, outbound services as
+        # spelled, attested), and the groups that call each service
+        self._groups: dict[_Group, Mapping[TypeUrl, Layer]] = {}
+        self._groups_of: dict[ServiceKey, set[_Group]] = {}
+        self._trust_layer: Layer | None = None
 
     def invalidate_services(self, services: Iterable[ServiceKey]) -> None:
         for s in services:
             self._clusters.pop(s, None)
             self._endpoints.pop(s, None)
+
+    def clusters_of(self, service: ServiceKey) -> dict[str, bytes]:
+        """The outbound clusters of ``service`` built so far, per spelling (to tell, after
+        ``invalidate_services``, whether they changed)."""
+        return dict(self._clusters.get(service, {}))
+
+    def layers(self, reg: Registration, attested: bool) -> Mapping[TypeUrl, Layer]:
+        """What a node registered as ``reg`` reads through layers: the endpoints of its group
+        (every caller of the same services, spelled alike, from its namespace, attested or
+        not) and the trust secret; one read-only mapping per group, shared by its nodes."""
+        key: _Group = (reg.namespace, tuple(sorted(reg.outbound)), attested)
+        layers = self._groups.get(key)
+        if layers is None:
+            layers = self._groups[key] = MappingProxyType(
+                {
+                    TypeUrl.ENDPOINT: Layer(*self._group_endpoints(key)),
+                    TypeUrl.SECRET: self.trust_layer(),
+                }
+            )
+            for spelled in key[1]:
+                self._groups_of.setdefault(resolve_service(key[0], spelled), set()).add(key)
+        return layers
+
+    def _group_endpoints(self, key: _Group) -> tuple[Mapping[str, bytes], str]:
+        namespace, outbound, attested = key
+        endpoints = {
+            outbound_name(spelled): (
+                self.endpoints(resolve_service(namespace, spelled), spelled)
+                if attested
+                else _load_assignment(self.packer, outbound_name(spelled), ())
+            )
+            for spelled in outbound
+        }
+        return _frozen(TypeUrl.ENDPOINT, endpoints)
+
+    def refresh_endpoint_layers(self, services: Iterable[ServiceKey]) -> list[Layer]:
+        """After ``invalidate_services(services)``: the layers of the groups that call them
+        take their new endpoints; those whose endpoints changed, in a stable order."""
+        keys: set[_Group] = set()
+        for s in services:
+            keys |= self._groups_of.get(s, set())
+        changed: list[Layer] = []
+        for key in sorted(keys):
+            layer = self._groups[key][TypeUrl.ENDPOINT]
+            if key[2] and layer.set(*self._group_endpoints(key)):  # (unattested: none, ever)
+                changed.append(layer)
+        return changed
+
+    def trust_layer(self) -> Layer:
+        """The layer holding the trust secret every node reads."""
+        if self._trust_layer is None:
+            self._trust_layer = Layer(*_frozen(TypeUrl.SECRET, {MESH_TRUST: self.trust_secret()}))
+        return self._trust_layer
 
     def invalidate_routes(self, destinations: Iterable[Identity]) -> None:
         for d in destinations:
@@ -748,6 +900,8 @@ class SharedResources:
         if trust != self.trust:
             self.trust = trust
             self._trust = None
+            if self._trust_layer is not None:
+                self._trust_layer.set(*_frozen(TypeUrl.SECRET, {MESH_TRUST: self.trust_secret()}))
 
     def trust_secret(self) -> bytes:
         if self._trust is None:
@@ -881,7 +1035,6 @@ def build_node_snapshot(shared: SharedResources, node: str) -> Snapshot:
             ("app", reg.app_port, settings), lambda: app_cluster_bytes(reg.app_port, settings)
         )
     }
-    endpoints: dict[str, bytes] = {}
     listeners: dict[str, bytes] = {
         INBOUND_LISTENER: packer.get_bytes(
             ("inbound", reg.inbound, td), lambda: inbound_listener_bytes(reg, td)
@@ -891,9 +1044,6 @@ def build_node_snapshot(shared: SharedResources, node: str) -> Snapshot:
         name = outbound_name(service)
         key = resolve_service(reg.namespace, service)
         clusters[name] = shared.outbound_cluster(key, service)
-        endpoints[name] = (
-            shared.endpoints(key, service) if attested else _load_assignment(packer, name, ())
-        )
         listeners[name] = packer.get(
             ("outl", service, port, settings),
             TypeUrl.LISTENER,
@@ -902,15 +1052,13 @@ def build_node_snapshot(shared: SharedResources, node: str) -> Snapshot:
     routes = {
         INBOUND_ROUTE: shared.inbound_routes(principal_of(reg)) if attested else _routes(packer, ())
     }
+    # the endpoints and the trust secret through layers: a change of a service's endpoints or
+    # of the CRL is one layer's new mapping, not a patch of every caller's snapshot
+    layers = shared.layers(reg, attested)
     return Snapshot.of(
-        {
-            TypeUrl.CLUSTER: clusters,
-            TypeUrl.ENDPOINT: endpoints,
-            TypeUrl.LISTENER: listeners,
-            TypeUrl.ROUTE: routes,
-            TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()},
-        },
+        {TypeUrl.CLUSTER: clusters, TypeUrl.LISTENER: listeners, TypeUrl.ROUTE: routes},
         _node_references(frozenset(reg.outbound)),
+        layers,
     )
 
 
@@ -965,6 +1113,7 @@ def build_snapshots(
 
 __all__ = [
     "BuildSettings",
+    "Layer",
     "Packer",
     "ResourceVersions",
     "SharedResources",

@@ -65,9 +65,16 @@ class SnapshotCache:
             if node in self._watches:
                 self._rebuild(node)
 
-    def update(self, nodes: Iterable[str], patch: Callable[[str, Snapshot], Snapshot]) -> None:
+    def update(
+        self,
+        nodes: Iterable[str],
+        patch: Callable[[str, Snapshot], Snapshot],
+        wake_all: bool = False,
+    ) -> None:
         """Apply ``patch`` to the held snapshots of ``nodes`` (nodes without one are built from
-        the current state when asked for) and wake the streams of those that changed."""
+        the current state when asked for) and wake the streams of those that changed (with
+        ``wake_all``, of every one held: a layer they read may have changed)."""
+        watches = self._watches
         for node in nodes:
             current = self._snapshots.get(node)
             if current is None:
@@ -75,8 +82,10 @@ class SnapshotCache:
             new = patch(node, current)
             if new is not current:
                 self._snapshots[node] = new
-                for watch in self._watches.get(node, ()):
-                    watch.changed.set()
+            elif not wake_all:
+                continue
+            for watch in watches.get(node, ()):
+                watch.changed.set()
 
     def has(self, node: str) -> bool:
         """A snapshot of ``node`` is held."""

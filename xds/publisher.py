@@ -8,6 +8,15 @@ destination identities); the shared resources are rebuilt once, and each affecte
 snapshot is reassembled from them. Nodes without a stream are only marked stale (built on
 demand). A renewal changes nothing snapshots are built from and rebuilds nothing.
 
+Endpoints and the trust secret are read through layers (:class:`xds.build.Layer`): a caller's
+snapshot holds its group's endpoints layer (every caller of the same services from the same
+namespace) and the one trust layer, not their mappings. A service's new endpoints are its
+callers' groups' new layer mappings, made once; a new CRL, the trust layer's. The nodes they
+concern are then only woken (their streams read the layers when they push); only what is a
+node's own is patched into its snapshot: the outbound clusters of a service whose pinned
+identities changed, the inbound routes of a destination whose authorization changed. So a
+quarantine costs each caller a wake and a push, not a patched snapshot.
+
 Trust material (bundle + CRL) and mesh policies are shared by every node: a change of either
 touches every node, but the secret or route tables are still built once.
 
@@ -43,7 +52,7 @@ from xds.build import (
 from xds.cache import SnapshotCache
 from xds.index import Identity, MeshIndex, affected_by, changed_names, principal_of
 from xds.meshpolicy import MeshPolicy, destinations_by_source
-from xds.resources import INBOUND_ROUTE, MESH_TRUST, TypeUrl, outbound_name
+from xds.resources import INBOUND_ROUTE, TypeUrl, outbound_name
 from xds.state import Event, EventKind, MeshState, Registration, ServiceKey, Status, resolve_service
 
 log = logging.getLogger(__name__)
@@ -59,11 +68,13 @@ _NO_CHANGES: dict[TypeUrl, dict[str, bytes]] = {}  # never written to
 
 class _Refresh:
     """What a held snapshot still has to take from the shared resources (read when it is
-    patched, so a refresh queued by an older publish brings the newest value). Never changed
-    once made: one is shared by every node queued with the same needs. Every patch also
-    brings the current trust secret (bundle + CRL): a node whose rules or clusters change
-    may start to accept an identity, and must not do so with a CRL older than the state it
-    was patched to (the secret costs nothing to send when it is the one the node holds)."""
+    patched, so a refresh queued by an older publish brings the newest value): the outbound
+    clusters of ``services``, the inbound routes if ``routes``; nothing (``_WAKE``):
+    only its streams woken, for a layer it reads. Never changed once made: one is shared by
+    every node queued with the same needs. A node whose rules or clusters change may start
+    to accept an identity, and must not do so with a CRL older than the state it was patched
+    to: the trust secret is a layer every snapshot reads, never older than the last
+    published (it costs nothing to send when it is the one the node holds)."""
 
     __slots__ = ("routes", "services")
 
@@ -80,7 +91,7 @@ class _Refresh:
         return _Refresh(self.services | other.services, self.routes or other.routes)
 
 
-_SECRET_ONLY = _Refresh(_NO_SERVICES, False)
+_WAKE = _Refresh(_NO_SERVICES, False)
 
 
 def _running_loop_soon() -> Soon | None:
@@ -128,7 +139,8 @@ class XdsPublisher:
         self._by_source: dict[Identity, frozenset[Identity]] = {}
         self.rebuilt_nodes = 0  # nodes rebuilt by the last publish (benchmarks, tests)
         self.patched_nodes = 0  # held snapshots patched with new shared resources
-        self.wake_order: list[str] = []  # nodes patched, in order (tests; cleared per publish)
+        self.woken_nodes = 0  # held nodes woken for what they read changed (patched or not)
+        self.wake_order: list[str] = []  # nodes woken (patched or not), in order (tests)
         cache.set_source(self._build)
         cache.set_settle(self._settle)
 
@@ -194,8 +206,20 @@ class XdsPublisher:
         # are presented: it is never deferred
         bundle_changed = trust_changed and trust.bundle_pem != shared.trust.bundle_pem
         if trust_changed:
-            shared.set_trust(trust)
+            shared.set_trust(trust)  # (its layer: every snapshot reads the new secret now)
+        built = {s: shared.clusters_of(s) for s in services}
         shared.invalidate_services(services)
+        # the callers' endpoints, through their groups' layers (what takes something back
+        # first: the layers a group calls both through are taken then)
+        shared.refresh_endpoint_layers(urgent_services)
+        shared.refresh_endpoint_layers(services - urgent_services)
+        # the services whose outbound clusters changed (the identities they pin): patched
+        # into every caller's snapshot; a change of endpoints alone only wakes the callers
+        reclustered = frozenset(
+            s
+            for s, before in built.items()
+            if any(shared.outbound_cluster(s, spelled) is not b for spelled, b in before.items())
+        )
         shared.invalidate_routes(destinations)
         for name in gone:
             self._cache.clear_snapshot(name)
@@ -206,16 +230,17 @@ class XdsPublisher:
             self._drop(name)
         self._cache.invalidate(nodes)
         self.rebuilt_nodes = len(nodes)
-        self.patched_nodes = 0
+        self.patched_nodes = self.woken_nodes = 0
         self.wake_order = []
-        # The others that depend on what changed get the new shared resources patched into
-        # the snapshot they hold, each with the current CRL. A new CRL goes at once to the
-        # nodes that could accept a certificate it revokes: those whose rules admit an
+        # The others that depend on what changed are woken, with what is their own patched
+        # into the snapshot they hold (clusters, routes; endpoints and the CRL they read
+        # through layers, current whenever read). A new CRL goes at once to the nodes that
+        # could accept a certificate it revokes: those whose rules admit an
         # identity that just changed, and the callers of a service an identity left (they
         # accept its members' certificates as servers). Every other node denies the identity
-        # anyway; it gets the CRL with the next patch it takes for any other reason (before
-        # its rules or clusters could admit the identity), or with the coalesced fan-out
-        # (``defer``), which only keeps every node's CRL fresh.
+        # anyway; it sends the CRL with the next push it makes for any other reason (before
+        # its rules or clusters could admit the identity), or when the coalesced fan-out
+        # (``defer``) wakes it, which only keeps every node's CRL fresh.
         everyone = bundle_changed or (trust_changed and self._defer is None)
         holders = index.holders_of(destinations)
         first = index.holders_of(urgent_destinations)
@@ -230,7 +255,7 @@ class XdsPublisher:
             rest = index.callers_of(services - urgent_services) | holders
         first -= nodes
         rest -= nodes | first
-        changed_services = frozenset(services)
+        changed_services = reclustered
         # the refreshes queued, one per combination of needs (shared by the nodes queued)
         first_holder = _Refresh(changed_services, True)
         first_other = _Refresh(changed_services, policies_changed)
@@ -338,81 +363,73 @@ class XdsPublisher:
     def _settle(self, node: str) -> None:
         """The cache is about to read ``node``: apply what is queued for it now."""
         refresh = self._first.pop(node, None) or self._rest.pop(node, None)
-        if refresh is not None:
-            self._patch({node: refresh})
+        if refresh is not None:  # (read now: its streams are woken only if it changed)
+            self._patch({node: refresh}, wake_all=False)
 
-    def _patch(self, batch: dict[str, _Refresh]) -> None:
+    def _patch(self, batch: dict[str, _Refresh], wake_all: bool = True) -> None:
+        """Patch what the nodes of ``batch`` still have to take into their held snapshots
+        and wake their streams (with ``wake_all``, those whose snapshot did not change too: a
+        layer they read did)."""
         shared = self._shared
         if shared is None or not batch:
             return
         workload = shared.index.workloads.get  # (MeshIndex.get, without the call per node)
-        secret = {TypeUrl.SECRET: {MESH_TRUST: shared.trust_secret()}}
-        # the clusters and endpoints a node takes: the same for every node calling the same
-        # services from the same namespace (every caller of a service), looked up once
+        # the clusters a node takes: the same for every node calling the same services from
+        # the same namespace (every caller of a service), looked up once
         per_services: dict[object, dict[TypeUrl, dict[str, bytes]]] = {}
 
         def services_part(
-            reg: Registration, attested: bool, services: frozenset[ServiceKey], key: object
+            reg: Registration, services: frozenset[ServiceKey], key: object
         ) -> dict[TypeUrl, dict[str, bytes]]:
             hit = per_services[key] = {}
             for spelled in reg.outbound:
                 service = resolve_service(reg.namespace, spelled)
-                if service not in services:
-                    continue
-                name = outbound_name(spelled)
-                hit.setdefault(TypeUrl.CLUSTER, {})[name] = shared.outbound_cluster(
-                    service, spelled
-                )
-                if attested:
-                    eds = shared.endpoints(service, spelled)
-                    hit.setdefault(TypeUrl.ENDPOINT, {})[name] = eds
+                if service in services:
+                    hit.setdefault(TypeUrl.CLUSTER, {})[outbound_name(spelled)] = (
+                        shared.outbound_cluster(service, spelled)
+                    )
             return hit
 
-        # what a node with clusters or routes to take gets, with the secret: one dict per
-        # combination
-        with_more: dict[tuple[int, bytes | None], dict[TypeUrl, dict[str, bytes]]] = {}
+        # what a node with clusters and routes to take gets: one dict per combination
+        with_more: dict[tuple[int, bytes], dict[TypeUrl, dict[str, bytes]]] = {}
         wake = self.wake_order.append
-        patched = 0
+        patched = woken = 0
 
         def patch(node: str, snapshot: Snapshot) -> Snapshot:
-            nonlocal patched
+            """The node's clusters and routes patched (its endpoints and the trust secret are
+            read through layers: nothing to patch, only to wake, as ``update`` does)."""
+            nonlocal patched, woken
+            woken += 1
+            wake(node)
             refresh = batch[node]
-            changes: dict[TypeUrl, dict[str, bytes]] = _NO_CHANGES
-            routes: bytes | None = None
             services = refresh.services
-            if services or refresh.routes:
-                w = workload(node)
-                if w is None:
-                    return snapshot
-                reg = w.registration
-                attested = w.status is Status.ATTESTED
-                if services and reg.outbound:
-                    part = (reg.namespace, tuple(reg.outbound), attested, services)
-                    hit = per_services.get(part)
-                    changes = services_part(reg, attested, services, part) if hit is None else hit
-                if attested and refresh.routes:
-                    routes = shared.inbound_routes(principal_of(reg))
-            if routes is None and changes is _NO_CHANGES:
-                changes = secret  # the CRL fan-out: nothing else to look up
-            else:
+            if not services and not refresh.routes:
+                return snapshot  # a layer it reads changed (the CRL fan-out, endpoints)
+            w = workload(node)
+            if w is None:
+                return snapshot
+            reg = w.registration
+            changes: dict[TypeUrl, dict[str, bytes]] = _NO_CHANGES
+            if services and reg.outbound:
+                part = (reg.namespace, tuple(reg.outbound), services)
+                hit = per_services.get(part)
+                changes = services_part(reg, services, part) if hit is None else hit
+            if refresh.routes and w.status is Status.ATTESTED:
+                routes = shared.inbound_routes(principal_of(reg))
                 key = (id(changes), routes)
                 more = with_more.get(key)
                 if more is None:
-                    more = dict(changes)
-                    if routes is not None:
-                        more[TypeUrl.ROUTE] = {INBOUND_ROUTE: routes}
-                    more.update(secret)
-                    with_more[key] = more
+                    more = with_more[key] = {**changes, TypeUrl.ROUTE: {INBOUND_ROUTE: routes}}
                 changes = more
             new = snapshot.patched(changes) if changes else snapshot
             patched += new is not snapshot
-            wake(node)
             return new
 
         try:
-            self._cache.update(batch, patch)
+            self._cache.update(batch, patch, wake_all=wake_all)
         finally:
             self.patched_nodes += patched
+            self.woken_nodes += woken
 
     def _schedule_trust_fanout(self) -> None:
         if self._defer is not None and not self._fanout_pending:
@@ -420,32 +437,33 @@ class XdsPublisher:
             self._defer(self.flush_trust)
 
     def flush_trust(self) -> None:
-        """Queue the current trust secret for every held snapshot (the coalesced fan-out of
-        CRL changes: many revocations in a burst cost every stream one push), after whatever
-        is queued already, a chunk per turn of the loop."""
+        """Wake every held node's streams for the current trust secret (the coalesced fan-out
+        of CRL changes: many revocations in a burst cost every stream one push; the secret is
+        the trust layer's, nothing to patch), after whatever is queued already, a chunk per
+        turn of the loop."""
         self._fanout_pending = False
         if self._shared is None:
             return
-        before = self.patched_nodes
+        before = self.woken_nodes
         first, rest, order = self._first, self._rest, self._rest_order
         if not first and not rest:  # nothing queued (the usual case): in bulk
             held = list(self._cache.held())
-            rest.update(dict.fromkeys(held, _SECRET_ONLY))
+            rest.update(dict.fromkeys(held, _WAKE))
             order.extend(held)
         else:
             for node in self._cache.held():  # held nodes only: no check per node
                 refresh = first.get(node)
                 if refresh is not None:
-                    first[node] = refresh.merged(_SECRET_ONLY)
+                    first[node] = refresh.merged(_WAKE)
                     continue
                 refresh = rest.get(node)
                 if refresh is None:
-                    rest[node] = _SECRET_ONLY
+                    rest[node] = _WAKE
                     order.append(node)
                 else:
-                    rest[node] = refresh.merged(_SECRET_ONLY)
+                    rest[node] = refresh.merged(_WAKE)
         self._pump()
-        self.fanned_out = self.patched_nodes - before  # patched so far (all of them: no loop)
+        self.fanned_out = self.woken_nodes - before  # woken so far (all of them: no loop)
 
     def _reset(
         self, state: MeshState, mesh_policies: Sequence[MeshPolicy], trust: TrustMaterial

@@ -10,6 +10,7 @@ from tests.unit.xds.meshfixture import NOW, TD, TRUST, allow, two_workloads
 from xds.cache import SnapshotCache
 from xds.index import affected_by
 from xds.publisher import XdsPublisher
+from xds.resources import TypeUrl
 from xds.state import AttestationRecord, IssuedCert, Trigger, quarantine, record_attestation
 
 
@@ -55,8 +56,14 @@ def test_publisher_rebuilds_only_on_change() -> None:
         pub.publish(renewed(state), policies, TRUST, changed={"frontend"})  # a renewal
         assert cache.built == built
         assert all(cache.get(n) is s for n, s in held.items())
+        secrets = {n: s.get(TypeUrl.SECRET) for n, s in held.items() if s is not None}
         pub.publish(state, policies, replace(TRUST, crl_pem=b"other"))  # a revocation
-        assert cache.built == built and pub.patched_nodes == 2  # the secret, patched in
+        # the secret is the trust layer's: nothing patched, both woken (no loop: at once),
+        # the snapshots they hold read the new one
+        assert cache.built == built and (pub.patched_nodes, pub.woken_nodes) == (0, 2)
+        for n, s in held.items():
+            assert cache.get(n) is s and s is not None
+            assert s.get(TypeUrl.SECRET) is not secrets[n]
         pub.publish(state, [], replace(TRUST, crl_pem=b"other"))  # a mesh policy change
         assert cache.built == built and pub.patched_nodes == 1  # backend's RBAC
         q, _ = quarantine(state, "backend", Trigger.OPERATOR, "x", NOW)

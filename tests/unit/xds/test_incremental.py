@@ -212,7 +212,8 @@ def test_a_quarantine_rebuilds_only_the_callers_of_its_service() -> None:
     assert held == 39
     t2 = TrustMaterial(TRUST.bundle_pem, b"crl2")
     pub.publish(q2, [], t2, changed=())
-    assert (pub.rebuilt_nodes, pub.patched_nodes) == (0, held)  # the CRL reaches everyone
+    # the CRL reaches everyone: the trust layer's new secret, every held node woken for it
+    assert (pub.rebuilt_nodes, pub.patched_nodes, pub.woken_nodes) == (0, 0, held)
 
 
 def test_a_crl_change_reaches_at_once_only_the_nodes_that_admit_the_changed_identity() -> None:
@@ -235,18 +236,22 @@ def test_a_crl_change_reaches_at_once_only_the_nodes_that_admit_the_changed_iden
     held = {f"n{i}": cache.get(f"n{i}") for i in range(6)}
     q, _ = quarantine(state, "n0", Trigger.OPERATOR, "x", NOW)
     crl = TrustMaterial(TRUST.bundle_pem, b"crl-with-n0")
+    old_secret = held["n1"].get(TypeUrl.SECRET)  # type: ignore[union-attr]
     pub.publish(q, [admits], crl, changed={"n0"})
-    secret = cache.get("n1").get(TypeUrl.SECRET)  # type: ignore[union-attr]
-    assert secret != held["n1"].get(TypeUrl.SECRET)  # type: ignore[union-attr]
-    for other in ("n2", "n3", "n4", "n5"):  # deny sa0 anyway: the CRL comes with the fan-out
+    assert cache.get("n1").get(TypeUrl.SECRET) != old_secret  # type: ignore[union-attr]
+    # woken at once: only n1. The others deny sa0 anyway: their streams are woken by the
+    # coalesced fan-out (their snapshots read the trust layer: whatever makes them push
+    # before it sends the new CRL too)
+    assert pub.wake_order == ["n1"]
+    for other in ("n2", "n3", "n4", "n5"):
         assert cache.get(other) is held[other]
     assert len(later) == 1
     q2, _ = quarantine(q, "n2", Trigger.OPERATOR, "x", NOW)
     pub.publish(q2, [admits], TrustMaterial(TRUST.bundle_pem, b"crl-2"), changed={"n2"})
     assert len(later) == 1  # coalesced: one fan-out for both
     later.pop()()
-    # n0 and n2 were rebuilt (with the current secret, when next asked for); the four others
-    # held snapshots get crl-2 now, n1 for the second time
+    # n0 and n2 were rebuilt (with the current secret, when next asked for); the four others'
+    # streams are woken for crl-2 now, n1's for the second time
     assert pub.fanned_out == 4
     for i in range(1, 6):
         snap = cache.get(f"n{i}")
@@ -419,26 +424,27 @@ def test_a_quarantine_revokes_at_once_at_the_callers_that_accept_its_certificate
     cache, pub, later, state = _deferring_mesh()
     q, _ = quarantine(state, "n0", Trigger.OPERATOR, "x", NOW)
     crl = TrustMaterial(TRUST.bundle_pem, b"crl-with-n0")
-    old = _secret(cache, "n13")
     pub.publish(q, [], crl, changed={"n0"})
-    for i in range(3, 13):
+    web_callers = {f"n{i}" for i in range(3, 13)}
+    others = {f"n{i}" for i in range(13, 19)}
+    # woken at once: the callers (their endpoints changed too); the others wait for the
+    # fan-out. Every snapshot reads the trust layer: what any node sends is the new CRL
+    assert web_callers <= set(pub.wake_order) and not others & set(pub.wake_order)
+    for i in range(3, 19):
         assert _secret(cache, f"n{i}") == _expected_secret(q, [], crl, f"n{i}")
-    for i in range(13, 19):
-        assert _secret(cache, f"n{i}") == old
     assert len(later) == 1
     later.pop()()
-    for i in range(13, 19):
-        assert _secret(cache, f"n{i}") == _expected_secret(q, [], crl, f"n{i}")
+    assert others <= set(pub.wake_order) and pub.fanned_out == len(q.workloads) - 1
 
 
 def test_a_patch_for_any_reason_brings_the_current_crl() -> None:
     """A node's rules or clusters may start to admit an identity whose certificate the
-    pending CRL revokes: whatever else a node is patched with, the current CRL comes along."""
+    pending CRL revokes: whatever else a node is woken for, the current CRL comes along (it
+    reads the trust layer), though the fan-out that wakes everyone for it has not run."""
     cache, pub, later, state = _deferring_mesh()
     crl = TrustMaterial(TRUST.bundle_pem, b"crl-2")
     pub.publish(state, [], crl, changed=())  # a renewal's superseded certificate, say
-    old = _secret(cache, "n13")
-    assert old != _expected_secret(state, [], crl, "n13") and len(later) == 1
+    assert "n13" not in pub.wake_order and len(later) == 1
     # api's member attests: its callers n13..n18 take its endpoint and the CRL with it
     state, _ = record_attestation(
         state, "n2", AttestationRecord("sim", {}, "p", "0", NOW),
@@ -446,6 +452,7 @@ def test_a_patch_for_any_reason_brings_the_current_crl() -> None:
     )  # fmt: skip
     pub.publish(state, [], crl, changed={"n2"})
     for i in range(13, 19):
+        assert f"n{i}" in pub.wake_order
         assert _secret(cache, f"n{i}") == _expected_secret(state, [], crl, f"n{i}")
     # a policy now admits sa0 at n4 (whose held CRL is still the old one): with the routes
     admits = MeshPolicy(

@@ -1,7 +1,7 @@
 """Patching held snapshots shares what it can and leaks nothing between nodes.
 
-The callers a change refreshes the same way get the same patched shared mappings (one merge
-for all of them), each still a snapshot of its own: a later change of one caller's own
+The callers of a service read its endpoints through one layer (one mapping for all of them,
+made once per change), each still a snapshot of its own: a later change of one caller's own
 resources is not seen by another. ``Snapshot.patched`` builds its result without the
 dataclass's ``__init__``: it is a snapshot like any other (equal to one built from the same
 resources, versions included, frozen). The publisher queues the nodes of a change in bulk
@@ -49,25 +49,32 @@ def _equal_to_rebuild(cache: SnapshotCache, state: MeshState) -> None:
             assert got.version(t) == expected.version(t), (node, t.short)
 
 
-def test_callers_patched_alike_share_the_patched_mapping_and_keep_their_own() -> None:
+def test_callers_read_one_endpoints_mapping_through_their_layer_and_keep_their_own() -> None:
+    """A quarantine changes the endpoints every caller of the service reads: their group's
+    layer takes the new mapping once, and every caller's snapshot reads it, as a rebuild
+    would build it (here n0's identity also leaves web's pinned identities: the callers'
+    clusters are their own, patched in). A later change of one caller's own resources is
+    not seen by another."""
     state = _serving_mesh()
     cache, pub, soon = _published(state)
     before = {n: _snap(cache, n) for n in WEB_CALLERS}
+    old_eds = before[WEB_CALLERS[0]].get(TypeUrl.ENDPOINT)
     q, _ = quarantine(state, "n0", Trigger.OPERATOR, "x", NOW)
     pub.publish(q, [], TRUST, changed={"n0"})
     while soon:
         soon.pop(0)()
     after = {n: _snap(cache, n) for n in WEB_CALLERS}
     eds = after[WEB_CALLERS[0]].get(TypeUrl.ENDPOINT)
+    assert eds is not old_eds and dict(eds) != dict(old_eds)
+    assert pub.patched_nodes == len(WEB_CALLERS)  # their clusters (sa0 no longer pinned)
+    assert set(WEB_CALLERS) <= set(pub.wake_order)
     for n in WEB_CALLERS:
         assert after[n] is not before[n]
-        assert after[n].get(TypeUrl.ENDPOINT) is eds  # one merge, one mapping
+        assert after[n].get(TypeUrl.ENDPOINT) is eds  # one mapping, made once
+        assert before[n].get(TypeUrl.ENDPOINT) is eds  # (through the layer both read)
         assert after[n].version(TypeUrl.ENDPOINT) == after[WEB_CALLERS[0]].version(TypeUrl.ENDPOINT)
-        # what the change did not touch is the node's own, as it was
         assert after[n].get(TypeUrl.LISTENER) is before[n].get(TypeUrl.LISTENER)
-        assert after[n].resources is not before[n].resources
-        assert after[n].versions is not before[n].versions
-    assert before[WEB_CALLERS[0]].get(TypeUrl.ENDPOINT) is not eds  # the old one unchanged
+        assert after[n].get(TypeUrl.CLUSTER) != before[n].get(TypeUrl.CLUSTER)
     _equal_to_rebuild(cache, q)
 
     # one caller's own change later: the others keep theirs (nothing shared was written to)
@@ -173,3 +180,24 @@ def test_only_held_nodes_are_queued_and_unheld_ones_are_built_when_asked() -> No
     assert not pub._first and not pub._rest
     assert all(not cache.has(n) for n in WEB_CALLERS[1::2])
     _equal_to_rebuild(cache, q)  # the others are built from the current state
+
+
+def test_an_endpoint_change_alone_wakes_the_callers_and_patches_nothing() -> None:
+    """n1 of web stops being ready: its endpoint leaves web's EDS, its identity stays pinned
+    (the clusters do not change). The callers' snapshots are the very objects they held, not
+    patched, their streams woken; what they read is what a rebuild makes."""
+    state = _serving_mesh()
+    cache, pub, soon = _published(state)
+    before = {n: _snap(cache, n) for n in WEB_CALLERS}
+    clusters = {n: s.get(TypeUrl.CLUSTER) for n, s in before.items()}
+    reg = state.workloads["n1"].registration
+    flipped, _ = register(state, dataclasses.replace(reg, ready=False), NOW)
+    pub.publish(flipped, [], TRUST, changed={"n1"})
+    while soon:
+        soon.pop(0)()
+    assert pub.patched_nodes == 0 and pub.woken_nodes >= len(WEB_CALLERS)
+    assert set(WEB_CALLERS) <= set(pub.wake_order)
+    for n in WEB_CALLERS:
+        assert _snap(cache, n) is before[n]
+        assert before[n].get(TypeUrl.CLUSTER) is clusters[n]
+    _equal_to_rebuild(cache, flipped)
