@@ -131,16 +131,58 @@ _OPS = st.tuples(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(_OPS, st.lists(st.tuples(st.sampled_from(_NODES),
-                                                   st.integers(0, len(_PEERS) - 1)),
-                                         max_size=4)), max_size=25))  # fmt: skip
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_OPS, st.booleans(),
+                          st.lists(st.tuples(st.sampled_from(_NODES),
+                                             st.integers(0, len(_PEERS) - 1)),
+                                   max_size=4)), max_size=25))  # fmt: skip
 def test_the_memo_equals_node_may_fetch(steps: list[Any]) -> None:
-    """For random changes and checks, the remembered answers are node_may_fetch's."""
+    """For random changes and checks, the remembered answers are node_may_fetch's, whether a
+    change is announced to it (``changed``, as the control plane's state listener) or not."""
     cp, authorize = _authorizer(mesh())
-    for op, checks in steps:
+    for op, announce, checks in steps:
         if op[0] != "check":
             cp.state = _apply(cp.state, op)
+            if announce:
+                authorize.changed(cp.state, (op[1],))
         for node, k in checks:
             peer = _PEERS[k]
             assert authorize(node, peer) == node_may_fetch(cp.state, node, peer)
+
+
+def test_after_an_announced_change_the_others_are_answered_without_a_look_up(
+    monkeypatch: Any,
+) -> None:
+    """A quarantine announced as changing web-0 only: web-1's answer stands for the new state
+    (no look-up of its record); web-0 is decided afresh. Unannounced, the next push of each
+    looks its record up again (as before)."""
+    cp, authorize = _authorizer(mesh())
+    p0, p1 = PeerIdentity((SA,), 100), PeerIdentity((SA,), 200)
+    assert authorize("web-0", p0) and authorize("web-1", p1)
+    looked_up: list[str] = []
+    pmap = type(cp.state.workloads)
+    real_get = pmap.get
+
+    def counting_get(self: Any, key: Any, *default: Any) -> Any:
+        looked_up.append(key)
+        return real_get(self, key, *default)
+
+    monkeypatch.setattr(pmap, "get", counting_get)
+    cp.state, _ = quarantine(cp.state, "web-0", Trigger.OPERATOR, "x", NOW + timedelta(minutes=1))
+    authorize.changed(cp.state, ("web-0",))
+    assert authorize("web-1", p1) and looked_up == []
+    assert not authorize("web-0", p0) and looked_up == ["web-0", "web-0"]  # (and node_may_fetch)
+    looked_up.clear()
+    cp.state, _ = release(cp.state, "web-0", NOW + timedelta(minutes=2))  # not announced
+    assert authorize("web-1", p1) and looked_up == ["web-1"]
+    assert not authorize("web-0", p0)
+
+
+def test_a_change_of_trust_domain_is_not_taken_on_announcement() -> None:
+    cp, authorize = _authorizer(mesh())
+    peer = PeerIdentity((SA,), 100)
+    assert authorize("web-0", peer)
+    other = replace(cp.state, trust_domain="elsewhere.test")
+    cp.state = other
+    authorize.changed(other, ())
+    assert authorize("web-0", peer) == node_may_fetch(other, "web-0", peer) is False
