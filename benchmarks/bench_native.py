@@ -34,29 +34,37 @@ def quarantine_median(output: str) -> float:
     return float(found[-1])
 
 
-def one_run(n: int, rounds: int, compiled: bool) -> float:
+def one_run(
+    n: int, rounds: int, compiled: bool = True, controlplane_cmd: str | None = None
+) -> float:
+    """One bench_quarantine run (a fresh control plane): its median CPU per quarantine.
+    ``controlplane_cmd``: the executable under test (bench_quarantine's option)."""
     env = dict(os.environ)
     if compiled:
         env.pop(native.OFF, None)
     else:
         env[native.OFF] = "0"
     cmd = [sys.executable, "-m", "benchmarks.bench_quarantine", "--n", str(n)]
+    if controlplane_cmd is not None:
+        cmd += ["--controlplane-cmd", controlplane_cmd]
     out = subprocess.run(
         [*cmd, "--rounds", str(rounds)], env=env, capture_output=True, text=True, check=True
     )
     return quarantine_median(out.stdout + out.stderr)
 
 
-def summary(pairs: Sequence[tuple[float, float]]) -> str:
-    sources = [s for s, _ in pairs]
-    compiled = [c for _, c in pairs]
-    ratios = [c / s for s, c in pairs]
+def summary(pairs: Sequence[tuple[float, float]], a: str = "sources", b: str = "compiled") -> str:
+    """Pairs of runs (``a``, ``b``): each side's median, the median of the pairs' ratios and
+    how many pairs ``b`` won, the best run of each."""
+    first = [x for x, _ in pairs]
+    second = [y for _, y in pairs]
+    ratios = [y / x for x, y in pairs]
     return (
-        f"CPU per quarantine, median of {len(pairs)} pairs: sources "
-        f"{statistics.median(sources):.3f} s, compiled {statistics.median(compiled):.3f} s; "
-        f"compiled / sources, median of the pairs {statistics.median(ratios):.2f}x "
+        f"CPU per quarantine, median of {len(pairs)} pairs: {a} "
+        f"{statistics.median(first):.3f} s, {b} {statistics.median(second):.3f} s; "
+        f"{b} / {a}, median of the pairs {statistics.median(ratios):.2f}x "
         f"(lower in {sum(r < 1 for r in ratios)} of {len(ratios)}); best runs "
-        f"{min(sources):.3f} -> {min(compiled):.3f} s"
+        f"{min(first):.3f} -> {min(second):.3f} s"
     )
 
 

@@ -22,3 +22,19 @@ def test_the_summary_pairs_the_runs() -> None:
     assert "sources 0.360 s, compiled 0.300 s" in text
     assert "median of the pairs 0.80x (lower in 2 of 3)" in text
     assert "best runs 0.350 -> 0.280 s" in text
+
+
+def test_the_summary_names_the_sides_it_is_given() -> None:
+    """bench_ab's use: a revision against the working tree."""
+    text = summary([(0.30, 0.27), (0.29, 0.30)], "HEAD~1", "working tree")
+    assert "HEAD~1 0.295 s, working tree 0.285 s" in text
+    assert "working tree / HEAD~1, median of the pairs 0.97x (lower in 1 of 2)" in text
+
+
+def test_bench_ab_runs_the_revision_from_its_own_tree() -> None:
+    from pathlib import Path
+
+    from benchmarks.bench_ab import controlplane_cmd
+
+    cmd = controlplane_cmd(Path("/tmp/a tree"))
+    assert cmd.startswith("env PYTHONPATH='/tmp/a tree' ") and cmd.endswith("/attestmesh")
