@@ -26,8 +26,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from benchmarks.bench_native import one_run, summary
-from xds import native
+from benchmarks.bench_native import build_is_current, one_run, paired_runs, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,20 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--rounds", type=int, default=4, help="quarantines per run")
     args = p.parse_args(argv)
-    state = native.decide(Path(native.__file__).parent, {})
-    if state != "compiled":
-        print(f"bench_ab: the working tree's build is not current ({state}): make native",
-              file=sys.stderr)  # fmt: skip
+    if not build_is_current("bench_ab"):
         return 2
-    pairs: list[tuple[float, float]] = []
     with checked_out(args.against) as tree:
         base = controlplane_cmd(tree)
-        for k in range(args.pairs):
-            pair = (one_run(args.n, args.rounds, controlplane_cmd=base),
-                    one_run(args.n, args.rounds))  # fmt: skip
-            pairs.append(pair)
-            print(f"pair {k + 1}: {args.against} {pair[0]:.3f} s, working tree {pair[1]:.3f} s",
-                  flush=True)  # fmt: skip
+        pairs = paired_runs(
+            args.pairs,
+            args.against,
+            "working tree",
+            lambda: one_run(args.n, args.rounds, controlplane_cmd=base),
+            lambda: one_run(args.n, args.rounds),
+        )
     print(f"N={args.n}: {summary(pairs, args.against, 'working tree')}")
     return 0
 

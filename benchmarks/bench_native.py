@@ -18,7 +18,7 @@ import re
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from xds import native
@@ -68,21 +68,42 @@ def summary(pairs: Sequence[tuple[float, float]], a: str = "sources", b: str = "
     )
 
 
+def build_is_current(prog: str) -> bool:
+    """The working tree's compiled ADS path matches its sources (else says so on stderr)."""
+    state = native.decide(Path(native.__file__).parent, {})
+    if state != "compiled":
+        print(f"{prog}: the working tree's compiled build is not current ({state}): make native",
+              file=sys.stderr)  # fmt: skip
+    return state == "compiled"
+
+
+def paired_runs(
+    count: int, a: str, b: str, run_a: Callable[[], float], run_b: Callable[[], float]
+) -> list[tuple[float, float]]:
+    """``count`` pairs of runs, ``a`` then ``b`` each time, each pair printed as it ends."""
+    pairs: list[tuple[float, float]] = []
+    for k in range(count):
+        pair = (run_a(), run_b())
+        pairs.append(pair)
+        print(f"pair {k + 1}: {a} {pair[0]:.3f} s, {b} {pair[1]:.3f} s", flush=True)
+    return pairs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_native")
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--rounds", type=int, default=4, help="quarantines per run")
     args = p.parse_args(argv)
-    state = native.decide(Path(native.__file__).parent, {})
-    if state != "compiled":
-        print(f"bench_native: no current compiled build to compare: {state}", file=sys.stderr)
+    if not build_is_current("bench_native"):
         return 2
-    pairs: list[tuple[float, float]] = []
-    for k in range(args.pairs):
-        pair = (one_run(args.n, args.rounds, False), one_run(args.n, args.rounds, True))
-        pairs.append(pair)
-        print(f"pair {k + 1}: sources {pair[0]:.3f} s, compiled {pair[1]:.3f} s", flush=True)
+    pairs = paired_runs(
+        args.pairs,
+        "sources",
+        "compiled",
+        lambda: one_run(args.n, args.rounds, False),
+        lambda: one_run(args.n, args.rounds, True),
+    )
     print(f"N={args.n}: {summary(pairs)}")
     return 0
 

@@ -243,12 +243,9 @@ class Layer:
         self.mapping = mapping
         self.version = version
 
-    def set(self, mapping: Mapping[str, bytes], version: str) -> bool:
-        """Take ``mapping`` (an interned one: ``_frozen``); False if it is the one held."""
-        if mapping is self.mapping:
-            return False
+    def set(self, mapping: Mapping[str, bytes], version: str) -> None:
+        """Take ``mapping`` (an interned one: ``_frozen``) and its version."""
         self.mapping, self.version = mapping, version
-        return True
 
 
 _V2 = TypeVar("_V2")
@@ -869,24 +866,24 @@ class SharedResources:
         }
         return _frozen(TypeUrl.ENDPOINT, endpoints)
 
-    def refresh_endpoint_layers(self, services: Iterable[ServiceKey]) -> list[Layer]:
-        """After ``invalidate_services(services)``: the layers of the groups that call them
-        take their new endpoints; those whose endpoints changed, in a stable order."""
+    def refresh_endpoint_layers(self, services: Iterable[ServiceKey]) -> None:
+        """After ``invalidate_services(services)``: the layers of the attested groups that
+        call them take their new endpoints (an unattested group's have none, ever)."""
         keys: set[_Group] = set()
         for s in services:
             keys |= self._groups_of.get(s, set())
-        changed: list[Layer] = []
-        for key in sorted(keys):
-            layer = self._groups[key][TypeUrl.ENDPOINT]
-            if key[2] and layer.set(*self._group_endpoints(key)):  # (unattested: none, ever)
-                changed.append(layer)
-        return changed
+        for key in keys:
+            if key[2]:
+                self._groups[key][TypeUrl.ENDPOINT].set(*self._group_endpoints(key))
 
     def trust_layer(self) -> Layer:
         """The layer holding the trust secret every node reads."""
         if self._trust_layer is None:
-            self._trust_layer = Layer(*_frozen(TypeUrl.SECRET, {MESH_TRUST: self.trust_secret()}))
+            self._trust_layer = Layer(*self._trust_mapping())
         return self._trust_layer
+
+    def _trust_mapping(self) -> tuple[Mapping[str, bytes], str]:
+        return _frozen(TypeUrl.SECRET, {MESH_TRUST: self.trust_secret()})
 
     def invalidate_routes(self, destinations: Iterable[Identity]) -> None:
         for d in destinations:
@@ -901,7 +898,7 @@ class SharedResources:
             self.trust = trust
             self._trust = None
             if self._trust_layer is not None:
-                self._trust_layer.set(*_frozen(TypeUrl.SECRET, {MESH_TRUST: self.trust_secret()}))
+                self._trust_layer.set(*self._trust_mapping())
 
     def trust_secret(self) -> bytes:
         if self._trust is None:

@@ -209,10 +209,9 @@ class XdsPublisher:
             shared.set_trust(trust)  # (its layer: every snapshot reads the new secret now)
         built = {s: shared.clusters_of(s) for s in services}
         shared.invalidate_services(services)
-        # the callers' endpoints, through their groups' layers (what takes something back
-        # first: the layers a group calls both through are taken then)
-        shared.refresh_endpoint_layers(urgent_services)
-        shared.refresh_endpoint_layers(services - urgent_services)
+        # the callers' endpoints, through their groups' layers (who hears of it first is the
+        # order in which they are woken, below)
+        shared.refresh_endpoint_layers(services)
         # the services whose outbound clusters changed (the identities they pin): patched
         # into every caller's snapshot; a change of endpoints alone only wakes the callers
         reclustered = frozenset(

@@ -38,3 +38,18 @@ def test_bench_ab_runs_the_revision_from_its_own_tree() -> None:
 
     cmd = controlplane_cmd(Path("/tmp/a tree"))
     assert cmd.startswith("env PYTHONPATH='/tmp/a tree' ") and cmd.endswith("/attestmesh")
+
+
+def test_paired_runs_alternate_the_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.bench_native import paired_runs
+
+    calls: list[str] = []
+    values = iter([0.3, 0.2, 0.31, 0.25])
+
+    def run(side: str) -> float:
+        calls.append(side)
+        return next(values)
+
+    pairs = paired_runs(2, "A", "B", lambda: run("a"), lambda: run("b"))
+    assert calls == ["a", "b", "a", "b"] and pairs == [(0.3, 0.2), (0.31, 0.25)]
+    assert "pair 2: A 0.310 s, B 0.250 s" in capsys.readouterr().out
